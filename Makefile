@@ -1,0 +1,36 @@
+# aiohicache developer commands. `make test` works on a fresh clone: it builds .venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test test-gpu lint demo bench kernels-check clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/pytest -m "not gpu" -p no:cacheprovider
+
+test-gpu: $(STAMP)
+	$(BIN)/pytest -m gpu -p no:cacheprovider
+
+lint: $(STAMP)
+	$(BIN)/ruff check aiohicache tests
+	$(BIN)/mypy
+
+demo: $(STAMP)
+	$(BIN)/aiohicache demo
+
+bench: $(STAMP)
+	$(BIN)/aiohicache bench core
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,36 @@
+"""aiohicache: an asyncio-native hierarchical KV-cache manager for LLM serving."""
+
+from .api import CacheStats, FetchContext, HiCache
+from .config import HiCacheConfig, KVSpec
+from .errors import (
+    CapacityError,
+    ClosedError,
+    ConfigError,
+    HiCacheError,
+    InvariantError,
+    PageError,
+    TransferError,
+    WorkerError,
+)
+from .transfer import CpuTransferEngine, TransferEngine, TransferHandle
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "CacheStats",
+    "CapacityError",
+    "ClosedError",
+    "ConfigError",
+    "CpuTransferEngine",
+    "FetchContext",
+    "HiCache",
+    "HiCacheConfig",
+    "HiCacheError",
+    "InvariantError",
+    "KVSpec",
+    "PageError",
+    "TransferEngine",
+    "TransferError",
+    "TransferHandle",
+    "WorkerError",
+)

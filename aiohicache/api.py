@@ -1,0 +1,550 @@
+"""The public face: `HiCache`, its `fetch()` context and `stats()`.
+
+    async with HiCache(config) as cache:
+        async with cache.fetch(token_ids) as hit:
+            await hit.layer_ready(0)                 # per-layer readiness of loaded KV
+            slots = await hit.allocate(n_new)        # device slots for the new tokens
+            ...write K/V of the new tokens at `slots`...
+            await hit.commit(token_ids, slots)       # insert; write-through per policy
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Literal, Self
+
+import anyio
+import numpy as np
+import torch
+
+from .config import HiCacheConfig
+from .controller import Controller, LoadJob
+from .errors import ClosedError, ConfigError, InvariantError, PageError
+from .memory import DevicePool, HostPool, PageIds
+from .radix import DeviceState, Match, Node, RadixTree
+from .transfer import CpuTransferEngine, TransferEngine
+
+__all__ = ("CacheStats", "FetchContext", "HiCache")
+
+log = logging.getLogger(__name__)
+
+TokenInput = Sequence[int] | torch.Tensor | np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A snapshot of the cache's counters; tokens unless a name says otherwise.
+
+    The hit ratio of a workload is ``(device_hit_tokens + host_hit_tokens) / prompt_tokens``.
+    """
+
+    requests: int
+    prompt_tokens: int
+    device_hit_tokens: int
+    """Prompt tokens already on the device (L1) when fetched."""
+    host_hit_tokens: int
+    """Prompt tokens loaded back from the host (L2), by this fetch or one it joined."""
+    miss_tokens: int
+    """Prompt tokens the engine has to compute."""
+    loaded_bytes: int
+    written_bytes: int
+    loads: int
+    writes: int
+    merged_loads: int
+    merged_writes: int
+    device_evicted_pages: int
+    host_evicted_pages: int
+    pending_loads: int
+    pending_writes: int
+    device_pages_used: int
+    device_pages_free: int
+    device_pages_leased: int
+    host_pages_used: int
+    host_pages_free: int
+    num_nodes: int
+    worker_restarts: int
+    health: Literal["ok", "degraded", "failed"]
+
+    @property
+    def hit_ratio(self) -> float:
+        hits = self.device_hit_tokens + self.host_hit_tokens
+        return hits / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(slots=True)
+class _Counters:
+    requests: int = 0
+    prompt_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+
+
+class HiCache:
+    """A hierarchical KV cache (device pool, host pool) driven from the event loop.
+
+    Use it as an async context manager; the workers run while it is open. All methods must be
+    called from the event loop that opened it.
+    """
+
+    def __init__(self, config: HiCacheConfig, *, engine: TransferEngine | None = None) -> None:
+        if not isinstance(config, HiCacheConfig):
+            raise ConfigError(f"config: must be a HiCacheConfig, got {type(config).__name__}")
+        self.config = config
+        self.device_pool = DevicePool(config.spec, num_pages=config.device_pages,
+                                      page_size=config.page_size, device=config.device)
+        self.host_pool = HostPool(config.spec, num_pages=config.host_capacity_pages,
+                                  page_size=config.page_size, layout=config.host_layout)
+        self.tree = RadixTree(page_size=config.page_size,
+                              device_alloc=self.device_pool.allocator,
+                              host_alloc=self.host_pool.allocator, eviction=config.eviction)
+        self._engine = engine
+        self._controller: Controller | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._leased = np.zeros(config.device_pages, dtype=np.bool_)
+        self._num_leased = 0
+        self._pins: dict[int, Node] = {}  # live fetch contexts -> their deepest pinned node
+        self._pin_ids = itertools.count()
+        self._counters = _Counters()
+        self._state: Literal["new", "open", "closing", "closed"] = "new"
+
+    def __repr__(self) -> str:
+        return (f"<HiCache {self._state} device={self.device_pool.allocator.num_used}/"
+                f"{self.config.device_pages} host={self.host_pool.allocator.num_used}/"
+                f"{self.host_pool.num_pages} pages>")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Self:
+        if self._state != "new":
+            raise ClosedError("a HiCache can be opened once")
+        engine = self._engine or self._default_engine()
+        self._controller = Controller(self.config, self.tree, engine)
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._runner = asyncio.create_task(self._run(started), name="aiohicache-workers")
+        await started
+        self._state = "open"
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    def _default_engine(self) -> TransferEngine:
+        if self.config.resolved_io_backend != "cpu":
+            raise ConfigError(f"io_backend: {self.config.resolved_io_backend!r} needs the CUDA "
+                              "engine (pass engine=...); only 'cpu' is built in so far")
+        return CpuTransferEngine(self.device_pool, self.host_pool)
+
+    async def _run(self, started: asyncio.Future[None]) -> None:
+        assert self._controller is not None
+        async with anyio.create_task_group() as tg:
+            await tg.start(self._controller.run)
+            started.set_result(None)
+
+    async def aclose(self) -> None:
+        """Stop accepting work, let queued and in-flight copies settle, stop the workers.
+
+        Idempotent. Open fetch contexts may still exit afterwards (they only unpin).
+
+        Cancellation: shielded; the cache always ends closed.
+        """
+        if self._state in ("closing", "closed", "new"):
+            self._state = "closed" if self._state == "new" else self._state
+            return
+        self._state = "closing"
+        with anyio.CancelScope(shield=True):
+            ctl = self.controller
+            await ctl.close_channels()
+            with anyio.move_on_after(60):
+                await ctl.drain()
+            assert self._runner is not None
+            self._runner.cancel()
+            await asyncio.gather(self._runner, return_exceptions=True)
+            await ctl.close_receivers()
+            await ctl.engine.aclose()
+        self._state = "closed"
+
+    def __del__(self, _warn: object = warnings.warn) -> None:
+        # Don't try to do more here: the event loop may already be gone.
+        if getattr(self, "_state", "closed") == "open":
+            _warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)  # type: ignore[operator]
+
+    @property
+    def controller(self) -> Controller:
+        if self._controller is None:
+            raise ClosedError("the cache is not open: use 'async with HiCache(config)'")
+        return self._controller
+
+    def _check_open(self) -> Controller:
+        if self._state != "open":
+            raise ClosedError(f"the cache is {self._state}")
+        ctl = self.controller
+        ctl.check_healthy()
+        return ctl
+
+    # ------------------------------------------------------------------ requests
+
+    def fetch(self, tokens: TokenInput) -> FetchContext:
+        """Match `tokens` in L1/L2, start loading the L2 part, pin the prefix.
+
+        Returns an async context manager; entering it does the match and returns the
+        `FetchContext`, leaving it unpins (also on error or cancellation).
+        """
+        return FetchContext(self, _as_tokens(tokens))
+
+    async def allocate(self, num_tokens: int) -> torch.Tensor:
+        """Lease device slots for `num_tokens` new tokens (whole pages), evicting as needed.
+
+        The slots belong to the caller until `FetchContext.commit` takes them or `free`
+        returns them.
+
+        Raises:
+            ConfigError: `num_tokens` is not a positive int.
+            CapacityError: the device cannot free enough unpinned pages.
+            ClosedError: the cache is not open.
+
+        Cancellation: nothing is leased; write-backs this started continue.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ConfigError(f"num_tokens: must be a positive int, got {num_tokens!r}")
+        ctl = self._check_open()
+        pages = await ctl.alloc_device_wait(-(-num_tokens // self.config.page_size))
+        self._lease(pages)
+        return self.device_pool.pages_to_slots(pages)[:num_tokens]
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Give back slots leased by `allocate` and not committed.
+
+        Raises:
+            ConfigError: `slots` is not a tensor of whole leased pages.
+            PageError: a page is not leased (double free or foreign).
+        """
+        self._release_leases(self.device_pool.slots_to_pages(slots), free=True)
+
+    def _lease(self, pages: PageIds) -> None:
+        self._leased[pages] = True
+        self._num_leased += len(pages)
+
+    def _release_leases(self, pages: PageIds, *, free: bool) -> None:
+        if len(pages) == 0:
+            return
+        if len(np.unique(pages)) != len(pages) or not self._leased[pages].all():
+            raise PageError("slots: pages not leased by allocate() (double free or foreign)")
+        self._leased[pages] = False
+        self._num_leased -= len(pages)
+        if free:
+            self.device_pool.allocator.free(pages)
+
+    def _pin(self, node: Node | None) -> int:
+        key = next(self._pin_ids)
+        self.tree.lock(node)
+        self._pins[key] = node if node is not None else self.tree.root
+        return key
+
+    def _repin(self, key: int, node: Node | None) -> None:
+        self.tree.lock(node)
+        old = self._pins[key]
+        self.tree.unlock(old if old is not self.tree.root else None)
+        self._pins[key] = node if node is not None else self.tree.root
+
+    def _unpin(self, key: int) -> None:
+        node = self._pins.pop(key)
+        self.tree.unlock(node if node is not self.tree.root else None)
+
+    # ------------------------------------------------------------------ observability
+
+    def stats(self) -> CacheStats:
+        """A snapshot of hit, transfer, eviction and occupancy counters."""
+        c, t = self._counters, self.tree
+        ctl = self._controller
+        tc = ctl.counters if ctl is not None else None
+        dev, host = self.device_pool.allocator, self.host_pool.allocator
+        health: Literal["ok", "degraded", "failed"] = "ok"
+        if ctl is not None and ctl.failure is not None:
+            health = "failed"
+        elif tc is not None and tc.worker_restarts:
+            health = "degraded"
+        return CacheStats(
+            requests=c.requests, prompt_tokens=c.prompt_tokens,
+            device_hit_tokens=c.device_hit_tokens, host_hit_tokens=c.host_hit_tokens,
+            miss_tokens=c.prompt_tokens - c.device_hit_tokens - c.host_hit_tokens,
+            loaded_bytes=tc.loaded_bytes if tc else 0, written_bytes=tc.written_bytes if tc else 0,
+            loads=tc.loads if tc else 0, writes=tc.writes if tc else 0,
+            merged_loads=tc.load_merges if tc else 0, merged_writes=tc.write_merges if tc else 0,
+            device_evicted_pages=t.device_evicted_pages, host_evicted_pages=t.host_evicted_pages,
+            pending_loads=ctl.pending_loads if ctl else 0,
+            pending_writes=ctl.pending_writes if ctl else 0,
+            device_pages_used=dev.num_used, device_pages_free=dev.num_free,
+            device_pages_leased=self._num_leased, host_pages_used=host.num_used,
+            host_pages_free=host.num_free, num_nodes=t.num_nodes,
+            worker_restarts=tc.worker_restarts if tc else 0, health=health)
+
+    async def drain(self) -> None:
+        """Wait until every queued and in-flight transfer has settled.
+
+        Cancellation: only the wait is cancelled.
+        """
+        await self.controller.drain()
+
+    def check_invariants(self) -> None:
+        """Assert the cache's internal consistency; raise `InvariantError` if broken.
+
+        Checks the tree (links, tier states, prefix closure, page ownership, eviction queues),
+        that every allocated page is owned by exactly one of tree / lease, and that pins match
+        the live fetch contexts and in-flight jobs exactly.
+        """
+        self.tree.check()
+        self._check_pages()
+        self._check_refs()
+
+    def _check_pages(self) -> None:
+        dev, host = self.device_pool.allocator, self.host_pool.allocator
+        for alloc in (dev, host):
+            if alloc.num_free + alloc.num_used != alloc.capacity:
+                raise InvariantError(f"{alloc!r}: free + used != capacity")
+        nodes = list(self.tree.iter_nodes())
+        tree_dev = _ids([n.device_pages for n in nodes])
+        tree_host = _ids([n.host_pages for n in nodes])
+        leased = np.flatnonzero(self._leased)
+        if len(leased) != self._num_leased or np.intersect1d(leased, tree_dev).size:
+            raise InvariantError("leased pages disagree with the lease count or the tree")
+        owned = np.sort(np.concatenate([tree_dev, leased]))
+        if not np.array_equal(owned, dev.used_pages()):
+            raise InvariantError("device pages used by the allocator != tree + leases")
+        if not np.array_equal(np.sort(tree_host), host.used_pages()):
+            raise InvariantError("host pages used by the allocator != tree")
+
+    def _check_refs(self) -> None:
+        locks: dict[int, int] = {}
+        for node in self._pins.values():
+            for n in node.path_to_root():
+                locks[n.id] = locks.get(n.id, 0) + 1
+        host_refs: dict[int, int] = {}
+        if self._controller is not None:
+            for job in self._controller.inflight_jobs():
+                if isinstance(job, LoadJob):
+                    for n in job.nodes:
+                        host_refs[n.id] = host_refs.get(n.id, 0) + 1
+        for n in self.tree.iter_nodes():
+            if n.lock_ref != locks.get(n.id, 0):
+                raise InvariantError(f"{n!r}: lock_ref {n.lock_ref}, live pins "
+                                     f"{locks.get(n.id, 0)}")
+            if n.host_ref != host_refs.get(n.id, 0):
+                raise InvariantError(f"{n!r}: host_ref {n.host_ref}, live loads "
+                                     f"{host_refs.get(n.id, 0)}")
+
+
+def _ids(parts: list[PageIds | None]) -> PageIds:
+    arrays = [p for p in parts if p is not None]
+    return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+
+
+def _as_tokens(tokens: TokenInput) -> tuple[int, ...]:
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex \
+                or tokens.dtype == torch.bool:
+            raise ConfigError("tokens: must be a 1-D integer tensor")
+        return tuple(tokens.tolist())
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ConfigError("tokens: must be a 1-D integer array")
+        return tuple(tokens.tolist())
+    if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence):
+        raise ConfigError(f"tokens: must be a sequence of ints, got {type(tokens).__name__}")
+    out = tuple(tokens)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in out):
+        raise ConfigError("tokens: every token id must be an int")
+    return out
+
+
+class FetchContext:
+    """One request's view of the cache, from match to commit; also the async context manager.
+
+    Attributes (valid inside the ``async with`` block):
+        num_cached_tokens: prefix length whose KV is on the device or being loaded there.
+        device_indices: device token slots (int64 tensor) of that prefix, for attention.
+    """
+
+    def __init__(self, cache: HiCache, tokens: tuple[int, ...]) -> None:
+        self._cache = cache
+        self.tokens = tokens
+        self.num_cached_tokens = 0
+        self.num_device_hit_tokens = 0
+        self.num_host_hit_tokens = 0
+        self._pages: PageIds = np.empty(0, dtype=np.int64)
+        self._jobs: list[LoadJob] = []
+        self._pin: int | None = None
+        self._leases: list[PageIds] = []
+        self._device_indices: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return (f"<FetchContext {len(self.tokens)} tokens, {self.num_cached_tokens} cached, "
+                f"{len(self._jobs)} loads>")
+
+    @property
+    def device_indices(self) -> torch.Tensor:
+        if self._device_indices is None:
+            self._device_indices = self._cache.device_pool.pages_to_slots(self._pages)
+        return self._device_indices
+
+    async def __aenter__(self) -> Self:
+        """Match, pin and plan loads (synchronously), then queue the loads.
+
+        Cancellation: if cancelled while queueing a load, the load is still queued (shielded)
+        and this context unpins before the cancellation propagates.
+        """
+        cache = self._cache
+        ctl = cache._check_open()
+        if not self.tokens:
+            raise ConfigError("tokens: must not be empty")
+        match = cache.tree.match(self.tokens)
+        self._pin = cache._pin(match.last_device_node)
+        try:
+            job = ctl.plan_load(match)
+            self._adopt(match, job)
+            wt = ctl.plan_write_through(match.last_device_node)
+            if job is not None:
+                await ctl.submit_load(job)
+            if wt is not None:
+                await ctl.submit_write(wt)
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    def _adopt(self, match: Match, job: LoadJob | None) -> None:
+        """Record the device prefix (resident, loading, and our own loads) and pin it."""
+        cache, ps = self._cache, self._cache.config.page_size
+        nodes = match.device_nodes + (job.nodes if job is not None else [])
+        if job is not None:
+            self._jobs.append(job)
+            cache._repin(self._pin_key, nodes[-1])
+        joined = {id(n.load_op): n.load_op for n in match.device_nodes
+                  if n.device_state is DeviceState.LOADING and isinstance(n.load_op, LoadJob)}
+        self._jobs.extend(joined.values())
+        self._pages = _ids([n.device_pages for n in nodes])
+        self.num_cached_tokens = len(self._pages) * ps
+        resident = sum(n.num_pages for n in match.device_nodes
+                       if n.device_state is DeviceState.RESIDENT) * ps
+        self.num_device_hit_tokens = resident
+        self.num_host_hit_tokens = self.num_cached_tokens - resident
+        c = cache._counters
+        c.requests += 1
+        c.prompt_tokens += len(self.tokens)
+        c.device_hit_tokens += resident
+        c.host_hit_tokens += self.num_host_hit_tokens
+
+    @property
+    def _pin_key(self) -> int:
+        assert self._pin is not None, "use the context with 'async with'"
+        return self._pin
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        if self._pin is not None:
+            self._cache._unpin(self._pin)
+            self._pin = None
+        leases, self._leases = self._leases, []
+        for pages in leases:
+            self._cache._release_leases(pages, free=True)
+
+    async def layer_ready(self, layer: int) -> None:
+        """Wait until `layer` of the cached prefix is on the device.
+
+        Raises:
+            ConfigError: no such layer.
+            TransferError: a load this request depends on failed.
+
+        Cancellation: cancels only the wait; loads go on and stay shared with other requests.
+        """
+        if not 0 <= layer < self._cache.config.spec.num_layers:
+            raise ConfigError(f"layer: must be in 0..{self._cache.config.spec.num_layers - 1}, "
+                              f"got {layer!r}")
+        for job in self._jobs:
+            await job.wait_layer(layer)
+
+    async def ready(self) -> None:
+        """Wait until every layer of the cached prefix is on the device (see `layer_ready`)."""
+        for job in self._jobs:
+            await job.wait()
+
+    async def allocate(self, num_tokens: int) -> torch.Tensor:
+        """`HiCache.allocate`, but slots not committed are freed when the context exits."""
+        self._check_active()
+        slots = await self._cache.allocate(num_tokens)
+        self._leases.append(self._cache.device_pool.slots_to_pages(slots))
+        return slots
+
+    async def commit(self, tokens: TokenInput, slots: torch.Tensor) -> None:
+        """Insert `tokens` into the cache, with the KV of ``tokens[num_cached_tokens:]`` at `slots`.
+
+        `tokens` must extend the fetched prefix, and `slots` must be leased (from `allocate`)
+        for exactly the tokens after `num_cached_tokens`. Whole pages join the tree (a page
+        that another request inserted meanwhile is freed); a trailing partial page stays
+        leased to this context, so decoding can continue and a later `commit` can pass it
+        again. `num_cached_tokens` then covers the committed pages, which stay pinned until
+        the context exits. Write-through starts for nodes that reached the hit threshold.
+
+        Raises:
+            ConfigError: `tokens` or `slots` do not fit the rules above.
+            PageError: `slots` are not leased.
+            ClosedError: the cache is closed.
+
+        Cancellation: the insert is atomic; if cancelled while queueing the write-through, the
+        write is still queued (shielded) and the cancellation propagates after.
+        """
+        self._check_active()
+        cache = self._cache
+        ctl = cache._check_open()
+        toks = _as_tokens(tokens)
+        pages = self._check_commit(toks, slots)
+        ps = cache.config.page_size
+        num_full = len(toks) // ps
+        new_full = num_full - len(self._pages)
+        cache._release_leases(pages[:new_full], free=False)
+        self._forget_leases(pages)
+        all_pages = np.concatenate([self._pages, pages[:new_full]])
+        res = cache.tree.insert(toks[:num_full * ps], all_pages, start_page=len(self._pages))
+        for dup in res.duplicate_pages:
+            cache.device_pool.allocator.free(dup)
+        if len(pages) > new_full:
+            self._leases.append(pages[new_full:])
+        cache._repin(self._pin_key, res.last_node)
+        self._pages = _ids([n.device_pages for n in reversed(res.last_node.path_to_root())]) \
+            if res.last_node is not None else self._pages
+        self._device_indices = None
+        self.num_cached_tokens = len(self._pages) * ps
+        wt = ctl.plan_write_through(res.last_node)
+        if wt is not None:
+            await ctl.submit_write(wt)
+
+    def _check_commit(self, toks: tuple[int, ...], slots: torch.Tensor) -> PageIds:
+        cached = self.num_cached_tokens
+        if len(toks) < cached or toks[:cached] != self.tokens[:cached]:
+            raise ConfigError("tokens: must extend the cached prefix of the fetched tokens")
+        if not isinstance(slots, torch.Tensor) or len(slots) != len(toks) - cached:
+            raise ConfigError(f"slots: need one slot per token after the cached prefix "
+                              f"({len(toks) - cached}), got "
+                              f"{len(slots) if isinstance(slots, torch.Tensor) else slots!r}")
+        pages = self._cache.device_pool.slots_to_pages(slots)
+        if len(pages) and not self._cache._leased[pages].all():
+            raise PageError("slots: not leased by allocate() (already committed or freed?)")
+        return pages
+
+    def _forget_leases(self, pages: PageIds) -> None:
+        taken = set(pages.tolist())
+        self._leases = [kept for p in self._leases
+                        if len(kept := p[~np.isin(p, list(taken))])]
+
+    def _check_active(self) -> None:
+        if self._pin is None:
+            raise ClosedError("the fetch context is not active (use it inside 'async with')")

@@ -1,0 +1,278 @@
+"""Configuration value objects: the KV layout of a model (`KVSpec`) and the cache (`HiCacheConfig`).
+
+Both are frozen, keyword-only dataclasses validated on construction; every invalid value raises
+`ConfigError` with a message that starts with the name of the field.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from .errors import ConfigError
+
+__all__ = ("HiCacheConfig", "KVSpec", "parse_dtype")
+
+HostLayout = Literal["layer_first", "page_first"]
+WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
+IOBackend = Literal["auto", "cpu", "kernel", "direct"]
+Eviction = Literal["lru", "lfu"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
+            "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def parse_dtype(value: str | torch.dtype, *, field_name: str = "dtype") -> torch.dtype:
+    """Return the torch dtype named by `value` (a torch dtype, or a name such as ``"bf16"``).
+
+    Raises:
+        ConfigError: the dtype is not one KV caches are stored in.
+    """
+    if isinstance(value, torch.dtype):
+        if value in _DTYPES.values():
+            return value
+        raise ConfigError(f"{field_name}: unsupported dtype {value}; use one of {sorted(_DTYPES)}")
+    if isinstance(value, str):
+        name = value.removeprefix("torch.")
+        name = _ALIASES.get(name, name)
+        if name in _DTYPES:
+            return _DTYPES[name]
+    raise ConfigError(f"{field_name}: unknown dtype {value!r}; use one of {sorted(_DTYPES)}")
+
+
+def _positive_int(name: str, value: object, *, upper: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}: must be a positive int, got {value!r}")
+    if upper is not None and value > upper:
+        raise ConfigError(f"{name}: must be at most {upper}, got {value!r}")
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}: must be one of {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVSpec:
+    """The per-token KV layout of a model.
+
+    Build it with `KVSpec.mha(...)` (K and V per layer, ``num_kv_heads x head_dim`` each) or
+    `KVSpec.mla(...)` (one latent row per layer, ``kv_lora_rank + rope_dim`` wide).
+
+    >>> KVSpec.mha(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bf16").bytes_per_token
+    131072
+    """
+
+    kind: Literal["mha", "mla"]
+    """``"mha"`` stores K and V; ``"mla"`` stores one compressed latent row."""
+    num_layers: int
+    """Number of attention layers."""
+    dtype: torch.dtype
+    """Element type of the stored KV."""
+    num_kv_heads: int = 0
+    """MHA/GQA: KV heads per layer (per tensor-parallel shard)."""
+    head_dim: int = 0
+    """MHA/GQA: dimension of each head."""
+    kv_lora_rank: int = 0
+    """MLA: width of the compressed KV latent."""
+    rope_dim: int = 0
+    """MLA: width of the decoupled rotary key part."""
+
+    def __post_init__(self) -> None:
+        _choice("kind", self.kind, ("mha", "mla"))
+        _positive_int("num_layers", self.num_layers)
+        if not isinstance(self.dtype, torch.dtype):
+            object.__setattr__(self, "dtype", parse_dtype(self.dtype))  # type: ignore[unreachable]
+        parse_dtype(self.dtype)
+        if self.kind == "mha":
+            _positive_int("num_kv_heads", self.num_kv_heads)
+            _positive_int("head_dim", self.head_dim)
+        else:
+            _positive_int("kv_lora_rank", self.kv_lora_rank)
+            if isinstance(self.rope_dim, bool) or not isinstance(self.rope_dim, int) \
+                    or self.rope_dim < 0:
+                raise ConfigError(f"rope_dim: must be an int >= 0, got {self.rope_dim!r}")
+
+    @classmethod
+    def mha(cls, *, num_layers: int, num_kv_heads: int, head_dim: int,
+            dtype: str | torch.dtype = torch.bfloat16) -> KVSpec:
+        """Multi-head / grouped-query attention: a K and a V row per layer and token."""
+        return cls(kind="mha", num_layers=num_layers, num_kv_heads=num_kv_heads,
+                   head_dim=head_dim, dtype=parse_dtype(dtype))
+
+    @classmethod
+    def mla(cls, *, num_layers: int, kv_lora_rank: int, rope_dim: int,
+            dtype: str | torch.dtype = torch.bfloat16) -> KVSpec:
+        """Multi-head latent attention: one ``kv_lora_rank + rope_dim`` row per layer and token."""
+        return cls(kind="mla", num_layers=num_layers, kv_lora_rank=kv_lora_rank,
+                   rope_dim=rope_dim, dtype=parse_dtype(dtype))
+
+    @property
+    def num_kv(self) -> int:
+        """Tensors per layer: 2 (K, V) for MHA, 1 for MLA."""
+        return 2 if self.kind == "mha" else 1
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """Shape of one token's row in one layer's K (or V, or latent) buffer."""
+        if self.kind == "mha":
+            return (self.num_kv_heads, self.head_dim)
+        return (self.kv_lora_rank + self.rope_dim,)
+
+    @property
+    def row_elems(self) -> int:
+        return math.prod(self.row_shape)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token in one layer of one of the `num_kv` tensors."""
+        return self.row_elems * self.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of KV one token occupies across all layers."""
+        return self.num_kv * self.num_layers * self.row_bytes
+
+    def fingerprint(self) -> str:
+        """A stable text identity of the layout (part of storage keys and headers)."""
+        dims = "x".join(str(d) for d in self.row_shape)
+        return f"{self.kind}-L{self.num_layers}-{dims}-{str(self.dtype).removeprefix('torch.')}"
+
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HiCacheConfig:
+    """Everything a `HiCache` needs to know, validated at construction.
+
+    >>> spec = KVSpec.mha(num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16")
+    >>> cfg = HiCacheConfig(spec=spec, page_size=16, device_pages=64, host_pages=256)
+    >>> cfg.host_capacity_pages
+    256
+    """
+
+    spec: KVSpec
+    """KV layout of the model (per tensor-parallel shard)."""
+    device_pages: int
+    """L1 capacity in pages (``device_pages * page_size`` token slots)."""
+    page_size: int = 16
+    """Tokens per page, 1..256: the unit of matching, allocation and transfer."""
+    device: str = "cpu"
+    """Where L1 lives: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
+    host_pages: int | None = None
+    """L2 capacity in pages; when None, `host_bytes` or `host_ratio` decides."""
+    host_bytes: int | None = None
+    """L2 capacity in bytes (rounded down to whole pages); used when `host_pages` is None."""
+    host_ratio: float = 2.0
+    """L2 capacity as a multiple of L1, used when neither `host_pages` nor `host_bytes` is set."""
+    host_layout: HostLayout = "page_first"
+    """``layer_first`` mirrors the device pool; ``page_first`` keeps each page contiguous."""
+    write_policy: WritePolicy = "write_through"
+    """When device pages are copied to the host: on the Nth hit (write-through) or on eviction."""
+    write_through_threshold: int | None = None
+    """Hits before a node is written through: default 1 (write_through), 2 (selective)."""
+    load_back_threshold: int = 0
+    """Host-resident tails shorter than this many tokens are recomputed instead of loaded."""
+    io_backend: IOBackend = "auto"
+    """Transfer engine: ``cpu`` on CPU; ``kernel`` or ``direct`` on CUDA; ``auto`` chooses."""
+    eviction: Eviction = "lru"
+    """Order in which unpinned leaves leave a tier: least recently or least frequently used."""
+    namespace: str = "default"
+    """Model identity; part of every storage key so different models never share pages."""
+    max_inflight_loads: int = 64
+    """Load-back jobs queued or in flight before new fetches wait (backpressure)."""
+    max_inflight_writes: int = 64
+    """Write jobs queued or in flight before new commits wait (backpressure)."""
+    max_worker_restarts: int = 3
+    """Times a crashed worker is restarted before the cache reports itself failed."""
+    extra: dict[str, object] = field(default_factory=dict)
+    """Free-form settings for plug-ins; ignored by the core."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, KVSpec):
+            raise ConfigError(f"spec: must be a KVSpec, got {type(self.spec).__name__}")
+        _positive_int("page_size", self.page_size, upper=256)
+        _positive_int("device_pages", self.device_pages)
+        if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
+            raise ConfigError(f"device: must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        self._check_host()
+        _choice("host_layout", self.host_layout, ("layer_first", "page_first"))
+        _choice("write_policy", self.write_policy,
+                ("write_through", "write_through_selective", "write_back"))
+        if self.write_through_threshold is not None:
+            _positive_int("write_through_threshold", self.write_through_threshold)
+        if isinstance(self.load_back_threshold, bool) or not isinstance(
+                self.load_back_threshold, int) or self.load_back_threshold < 0:
+            raise ConfigError(
+                f"load_back_threshold: must be an int >= 0, got {self.load_back_threshold!r}")
+        _choice("io_backend", self.io_backend, ("auto", "cpu", "kernel", "direct"))
+        if self.device == "cpu" and self.io_backend in ("kernel", "direct"):
+            raise ConfigError(f"io_backend: {self.io_backend!r} needs a CUDA device; "
+                              "use 'cpu' or 'auto' with device='cpu'")
+        _choice("eviction", self.eviction, ("lru", "lfu"))
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise ConfigError(f"namespace: must be a non-empty str, got {self.namespace!r}")
+        _positive_int("max_inflight_loads", self.max_inflight_loads)
+        _positive_int("max_inflight_writes", self.max_inflight_writes)
+        if isinstance(self.max_worker_restarts, bool) or not isinstance(
+                self.max_worker_restarts, int) or self.max_worker_restarts < 0:
+            raise ConfigError(
+                f"max_worker_restarts: must be an int >= 0, got {self.max_worker_restarts!r}")
+
+    def _check_host(self) -> None:
+        if self.host_pages is not None:
+            _positive_int("host_pages", self.host_pages)
+        if self.host_bytes is not None:
+            _positive_int("host_bytes", self.host_bytes)
+            if self.host_bytes < self.page_bytes:
+                raise ConfigError(f"host_bytes: {self.host_bytes} is smaller than one page "
+                                  f"({self.page_bytes} bytes)")
+        ratio = self.host_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not (
+                math.isfinite(ratio) and ratio > 0):
+            raise ConfigError(f"host_ratio: must be a finite number > 0, got {ratio!r}")
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page across all layers (the unit of host and storage I/O)."""
+        return self.page_size * self.spec.bytes_per_token
+
+    @property
+    def host_capacity_pages(self) -> int:
+        """L2 capacity in pages, resolved from `host_pages`, `host_bytes` or `host_ratio`."""
+        if self.host_pages is not None:
+            return self.host_pages
+        if self.host_bytes is not None:
+            return self.host_bytes // self.page_bytes
+        return max(1, int(self.device_pages * self.host_ratio))
+
+    @property
+    def hit_threshold(self) -> int:
+        """Hits after which a device node is written through to the host."""
+        if self.write_through_threshold is not None:
+            return self.write_through_threshold
+        return 2 if self.write_policy == "write_through_selective" else 1
+
+    @property
+    def resolved_io_backend(self) -> Literal["cpu", "kernel", "direct"]:
+        if self.io_backend != "auto":
+            return self.io_backend
+        return "cpu" if self.device == "cpu" else "kernel"

@@ -1,0 +1,444 @@
+"""The controller: plans transfers on the tree, runs them through workers, settles them.
+
+Three workers share one task group:
+
+- the load worker takes load-back jobs from a bounded channel, merges what is queued into one
+  host->device copy and launches it;
+- the write worker does the same for device->host copies (write-through and write-back);
+- the settle worker applies finished copies to the tree at one point, `settle()`, in
+  submission order. This is where tensor-parallel ranks will agree on how many completions to
+  apply, so every tree mutation caused by a transfer happens there and nowhere else.
+
+Planning (`plan_load`, `plan_write_through`, `alloc_device`) is synchronous: it mutates the
+tree and the allocators before any await, then the job goes to a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import numpy as np
+from anyio.abc import ObjectReceiveStream
+
+from .config import HiCacheConfig
+from .errors import CapacityError, ClosedError, WorkerError
+from .memory import PageIds
+from .radix import DeviceState, Match, Node, PendingOp, RadixTree
+from .transfer import TransferEngine, TransferHandle
+
+__all__ = ("Controller", "LoadJob", "TransferCounters", "WriteJob")
+
+log = logging.getLogger(__name__)
+
+
+class _Job(PendingOp):
+    """A planned copy: its nodes are in a transitional state until `settle()` applies it."""
+
+    __slots__ = ("dst", "handle", "launched", "src")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.src: PageIds = np.empty(0, dtype=np.int64)
+        self.dst: PageIds = np.empty(0, dtype=np.int64)
+        self.handle: TransferHandle | None = None
+        self.launched: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.src)
+
+    def done(self) -> bool:
+        return self.handle is not None and self.handle.done()
+
+    async def wait_layer(self, layer: int) -> None:
+        """Wait until `layer` of this job's pages is in place. Cancellation: only the wait."""
+        if self.handle is None:
+            await asyncio.shield(self.launched)
+        assert self.handle is not None
+        await self.handle.wait_layer(layer)
+
+    async def wait(self) -> None:
+        if self.handle is None:
+            await asyncio.shield(self.launched)
+        assert self.handle is not None
+        await self.handle.wait()
+
+
+class LoadJob(_Job):
+    """Host->device copy of host-only nodes (now LOADING). src: host pages, dst: device."""
+
+    __slots__ = ()
+
+    def seal(self) -> None:
+        self.src = _concat([n.host_pages for n in self.nodes])
+        self.dst = _concat([n.device_pages for n in self.nodes])
+
+
+class WriteJob(_Job):
+    """Device->host copy of device nodes (now WRITING). src: device pages, dst: host.
+
+    With `demote` (write-back), the nodes' device pages are freed once the copy settles.
+    """
+
+    __slots__ = ("demote",)
+
+    def __init__(self, *, demote: bool = False) -> None:
+        super().__init__()
+        self.demote = demote
+
+    def seal(self) -> None:
+        self.src = _concat([n.device_pages for n in self.nodes])
+        self.dst = _concat([n.host_pages for n in self.nodes])
+
+
+def _concat(parts: Sequence[PageIds | None]) -> PageIds:
+    arrays = [p for p in parts if p is not None]
+    return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+
+
+@dataclass(slots=True)
+class TransferCounters:
+    """Running totals the controller keeps for `HiCache.stats()`."""
+
+    loaded_bytes: int = 0
+    written_bytes: int = 0
+    loads: int = 0
+    writes: int = 0
+    load_merges: int = 0
+    write_merges: int = 0
+    worker_restarts: int = 0
+
+
+Agree = Callable[[tuple[int, int]], tuple[int, int]]
+
+
+class Controller:
+    """Owns the tree's transfers: planning, the worker task group and settling."""
+
+    def __init__(self, config: HiCacheConfig, tree: RadixTree, engine: TransferEngine) -> None:
+        self.config = config
+        self.tree = tree
+        self.engine = engine
+        self.counters = TransferCounters()
+        self.failure: BaseException | None = None
+        self.agree: Agree = lambda counts: counts  # replaced by the TP consensus tick
+        self._load_tx, self._load_rx = anyio.create_memory_object_stream[LoadJob](
+            config.max_inflight_loads)
+        self._write_tx, self._write_rx = anyio.create_memory_object_stream[WriteJob](
+            config.max_inflight_writes)
+        self._loads: deque[LoadJob] = deque()    # launched, in launch order
+        self._writes: deque[WriteJob] = deque()
+        self._queued = 0                          # jobs sent but not yet launched
+        self._unsettled: dict[int, _Job] = {}     # every planned job until it settles
+        self._wakeup = asyncio.Event()
+        self._settled = asyncio.Event()
+        self.demoting_pages = 0                   # device pages freed when write-backs settle
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def pending_loads(self) -> int:
+        return len(self._loads)
+
+    @property
+    def pending_writes(self) -> int:
+        return len(self._writes)
+
+    @property
+    def idle(self) -> bool:
+        return not self._loads and not self._writes and self._queued == 0
+
+    def inflight_jobs(self) -> list[_Job]:
+        """Every planned job not yet settled (queued or launched)."""
+        return list(self._unsettled.values())
+
+    def check_healthy(self) -> None:
+        if self.failure is not None:
+            raise WorkerError(f"the cache failed and refuses work: {self.failure!r}") \
+                from self.failure
+
+    # ------------------------------------------------------------------ planning (sync)
+
+    def plan_load(self, match: Match) -> LoadJob | None:
+        """Mark the host-only tail of `match` LOADING, as far as device pages allow.
+
+        The caller has pinned the device prefix. Loads are page-granular: when the device
+        cannot hold the whole tail, the node that does not fit is split and its head loaded.
+        """
+        tail = match.host_nodes
+        if not tail or match.num_host_pages * self.tree.page_size < max(
+                1, self.config.load_back_threshold):
+            return None
+        for node in tail:  # keep host eviction (write-back staging) off what we load
+            self.tree.protect_host(node)
+        job, staged = LoadJob(), self._write_back_op()
+        try:
+            self._begin_loads(tail, job, staged)
+        finally:
+            for node in tail:
+                if node.alive:
+                    self.tree.release_host(node)
+        self._submit_staged(staged)
+        if not job.nodes:
+            return None
+        job.seal()
+        return job
+
+    def _begin_loads(self, tail: list[Node], job: LoadJob, staged: WriteJob | None) -> None:
+        for node in tail:
+            if self.tree.begin_load(node, job, write_back=staged):
+                continue
+            room = self.tree.device_alloc.num_free
+            if 0 < room < node.num_pages:
+                head = self.tree.split(node, room)  # head inherits plan_load's host pin
+                self.tree.begin_load(head, job)
+                self.tree.release_host(head)
+            break
+
+    def plan_write_through(self, last: Node | None) -> WriteJob | None:
+        """Start write-through for nodes on the path to `last` that reached the hit threshold."""
+        if self.config.write_policy == "write_back" or last is None:
+            return None
+        job = WriteJob()
+        threshold = self.config.hit_threshold
+        for node in reversed(last.path_to_root()):
+            if node.on_host:
+                continue
+            if node.device_state is not DeviceState.RESIDENT or node.hit_count < threshold:
+                break
+            if not self.tree.begin_write(node, job):
+                break
+        if not job.nodes:
+            return None
+        job.seal()
+        return job
+
+    def alloc_device(self, num_pages: int) -> PageIds | None:
+        """Device pages for new KV, evicting (or, in write-back mode, staging) leaves."""
+        staged = self._write_back_op()
+        pages = self.tree.alloc_device(num_pages, write_back=staged)
+        self._submit_staged(staged)
+        return pages
+
+    def _write_back_op(self) -> WriteJob | None:
+        return WriteJob(demote=True) if self.config.write_policy == "write_back" else None
+
+    def _submit_staged(self, staged: WriteJob | None) -> None:
+        if staged is None or not staged.nodes:
+            return
+        staged.seal()
+        self.demoting_pages += staged.num_pages
+        self._unsettled[id(staged)] = staged
+        self._queued += 1
+        try:
+            self._write_tx.send_nowait(staged)
+        except anyio.WouldBlock:
+            # NOTE: staging happens inside sync planning, which cannot wait; launch directly
+            # so the staged pages are never stranded (the channel bound is advisory here).
+            self._queued -= 1
+            self._launch_writes([staged])
+
+    # ------------------------------------------------------------------ submission (async)
+
+    async def submit_load(self, job: LoadJob) -> None:
+        """Queue a planned load. Cancellation: deferred until the job is queued."""
+        await self._send(self._load_tx.send, job)
+
+    async def submit_write(self, job: WriteJob) -> None:
+        """Queue a planned write. Cancellation: deferred until the job is queued."""
+        await self._send(self._write_tx.send, job)
+
+    async def _send(self, send: Callable[[_Job], Awaitable[None]], job: _Job) -> None:
+        # The job's nodes are already in a transitional state: it must reach a worker even if
+        # the caller is cancelled, or they would stay LOADING/WRITING for ever.
+        self._queued += 1
+        self._unsettled[id(job)] = job
+        try:
+            with anyio.CancelScope(shield=True):
+                await send(job)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            # Closing: nobody will launch it, so launch it here; aclose() drains it.
+            self._queued -= 1
+            launch = self._launch_loads if isinstance(job, LoadJob) else self._launch_writes
+            launch([job])
+
+    async def alloc_device_wait(self, num_pages: int) -> PageIds:
+        """Like `alloc_device`, but waits for staged write-backs to free pages.
+
+        Raises:
+            CapacityError: the pool cannot free `num_pages` even after pending write-backs.
+
+        Cancellation: nothing is allocated; staged write-backs continue.
+        """
+        if num_pages > self.tree.device_alloc.capacity:
+            raise CapacityError(f"asked for {num_pages} device pages; the pool has "
+                                f"{self.tree.device_alloc.capacity}")
+        while True:
+            pages = self.alloc_device(num_pages)
+            if pages is not None:
+                return pages
+            if self.demoting_pages == 0:
+                raise CapacityError(
+                    f"cannot allocate {num_pages} device pages: {self.tree.device_alloc.num_free}"
+                    " free and the rest pinned or in flight")
+            await self.wait_settled()
+
+    # ------------------------------------------------------------------ workers
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        """Run the workers until cancelled; a crashing worker is restarted a few times."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._supervise, "load", self._load_worker)
+            tg.start_soon(self._supervise, "write", self._write_worker)
+            tg.start_soon(self._supervise, "settle", self._settle_worker)
+            task_status.started()
+
+    async def _supervise(self, name: str, worker: Callable[[], Awaitable[None]]) -> None:
+        restarts = 0
+        while True:
+            try:
+                await worker()
+                return
+            except Exception as exc:
+                restarts += 1
+                self.counters.worker_restarts += 1
+                log.exception("%s worker crashed (restart %d)", name, restarts)
+                if restarts > self.config.max_worker_restarts:
+                    self.failure = exc
+                    return
+
+    async def _load_worker(self) -> None:
+        await self._drain_channel(self._load_rx, self._launch_loads, self._loads)
+
+    async def _write_worker(self) -> None:
+        await self._drain_channel(self._write_rx, self._launch_writes, self._writes)
+
+    async def _drain_channel(self, rx: ObjectReceiveStream[_Job],
+                             launch: Callable[[list[_Job]], None], inflight: deque[_Job]) -> None:
+        limit = self.config.max_inflight_loads if rx is self._load_rx \
+            else self.config.max_inflight_writes
+        async for job in rx:
+            batch = [job]
+            while True:  # merge whatever else is queued into the same copy
+                try:
+                    batch.append(rx.receive_nowait())
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    break
+            self._queued -= len(batch)
+            launch(batch)
+            while len(inflight) > limit:  # backpressure: the channel fills behind us
+                await self.wait_settled()
+
+    def _launch_loads(self, batch: Sequence[_Job]) -> None:
+        self._launch(batch, self._loads, self.engine.load)
+        self.counters.load_merges += len(batch) - 1
+
+    def _launch_writes(self, batch: Sequence[_Job]) -> None:
+        self._launch(batch, self._writes, self.engine.write)
+        self.counters.write_merges += len(batch) - 1
+
+    def _launch(self, batch: Sequence[_Job], inflight: deque[Any],
+                start: Callable[[PageIds, PageIds], TransferHandle]) -> None:
+        src = _concat([j.src for j in batch])
+        dst = _concat([j.dst for j in batch])
+        try:
+            handle = start(src, dst)
+        except Exception as exc:
+            handle = TransferHandle(num_layers=1, nbytes=0)
+            handle._finish(exc)
+        handle.add_done_callback(lambda _: self._wakeup.set())
+        for job in batch:
+            job.handle = handle
+            if not job.launched.done():
+                job.launched.set_result(None)
+            inflight.append(job)
+
+    async def _settle_worker(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            self.settle()
+
+    # ------------------------------------------------------------------ the completion point
+
+    def settle(self) -> None:
+        """Apply finished copies to the tree, oldest first. THE point where transfers mutate
+        state: ranks agree (`self.agree`) on how many to apply before any is applied."""
+        num_loads, num_writes = self.agree((_leading_done(self._loads),
+                                            _leading_done(self._writes)))
+        for _ in range(num_loads):
+            self._settle_load(self._loads.popleft())
+        for _ in range(num_writes):
+            self._settle_write(self._writes.popleft())
+        if num_loads or num_writes:
+            self._settled.set()
+            self._settled = asyncio.Event()
+
+    def _settle_load(self, job: LoadJob) -> None:
+        assert job.handle is not None
+        del self._unsettled[id(job)]
+        if self._record_failure(job.handle):
+            return
+        for node in job.nodes:
+            self.tree.end_load(node)
+        self.counters.loads += 1
+        self.counters.loaded_bytes += job.num_pages * self.config.page_bytes
+
+    def _settle_write(self, job: WriteJob) -> None:
+        assert job.handle is not None
+        del self._unsettled[id(job)]
+        if self._record_failure(job.handle):
+            return
+        for node in job.nodes:
+            self.tree.end_write(node, demote=job.demote)
+        if job.demote:
+            self.demoting_pages -= job.num_pages
+        self.counters.writes += 1
+        self.counters.written_bytes += job.num_pages * self.config.page_bytes
+
+    def _record_failure(self, handle: TransferHandle) -> bool:
+        # A failed copy between L1 and L2 leaves KV of unknown content in pages the tree
+        # would serve: like a CUDA fault, it is fatal. The cache stops serving, visibly.
+        exc = handle.exception()
+        if exc is None:
+            return False
+        if self.failure is None:
+            log.error("transfer failed; the cache stops serving: %r", exc)
+            self.failure = exc
+        return True
+
+    async def wait_settled(self) -> None:
+        """Wait for the next `settle()` that applied something."""
+        await self._settled.wait()
+
+    async def drain(self) -> None:
+        """Wait until every queued and launched job has settled.
+
+        Cancellation: only the wait is cancelled; the jobs go on.
+        """
+        while not self.idle and self.failure is None:
+            await self.wait_settled()
+
+    async def close_channels(self) -> None:
+        await self._load_tx.aclose()
+        await self._write_tx.aclose()
+
+    async def close_receivers(self) -> None:
+        await self._load_rx.aclose()
+        await self._write_rx.aclose()
+
+
+def _leading_done(jobs: deque[Any]) -> int:
+    count = 0
+    for job in jobs:
+        if not job.done():
+            break
+        count += 1
+    return count
+

@@ -1,0 +1,56 @@
+"""The error hierarchy of aiohicache, grouped by what the caller should do.
+
+    HiCacheError
+     ├─ ConfigError (ValueError)      a configuration or argument is invalid: fix the call
+     ├─ CapacityError                 a pool cannot hold what was asked, even after eviction
+     ├─ ClosedError                   the cache was used after ``aclose()``
+     ├─ PageError (ValueError)        page ids handed back are foreign or already free
+ ├─ InvariantError (AssertionError)  internal state is inconsistent: a bug, report it
+     ├─ WorkerError                   a background worker failed for good; the cache is degraded
+     └─ TransferError                 moving bytes between tiers failed
+"""
+
+from __future__ import annotations
+
+__all__ = (
+    "CapacityError",
+    "ClosedError",
+    "ConfigError",
+    "HiCacheError",
+    "InvariantError",
+    "PageError",
+    "TransferError",
+    "WorkerError",
+)
+
+
+class HiCacheError(Exception):
+    """Base class of every error raised by aiohicache."""
+
+
+class ConfigError(HiCacheError, ValueError):
+    """A configuration value or an argument is invalid; the message names it."""
+
+
+class CapacityError(HiCacheError):
+    """A pool cannot provide the pages asked for, even after evicting what it may."""
+
+
+class ClosedError(HiCacheError):
+    """The cache (or one of its contexts) was used after it was closed."""
+
+
+class InvariantError(HiCacheError, AssertionError):
+    """``check_invariants()`` found inconsistent internal state."""
+
+
+class WorkerError(HiCacheError):
+    """A background worker kept failing and was given up; see ``stats().health``."""
+
+
+class TransferError(HiCacheError):
+    """Copying KV between tiers failed."""
+
+
+class PageError(HiCacheError, ValueError):
+    """Page or slot ids handed back are foreign to the pool, or not allocated (double free)."""

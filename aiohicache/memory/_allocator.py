@@ -1,0 +1,102 @@
+"""Page allocator: a free stack of page ids plus a used bitmap.
+
+Only the event loop calls it (design rule 1), so it takes no lock. `alloc` and `free` cost
+O(k) in the number of pages moved, never O(capacity): double frees and foreign ids are caught
+through the bitmap, not by scanning the free list.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import ConfigError, PageError
+
+__all__ = ("PageAllocator", "PageIds")
+
+PageIds = npt.NDArray[np.int64]
+
+
+class PageAllocator:
+    """Hands out page ids ``0..capacity-1``.
+
+    NOTE: the free list is a LIFO stack. Freed pages are pushed so that the next `alloc` of
+    the same size returns them in the same order: runs that were contiguous stay contiguous,
+    which lets transfers coalesce them into one copy.
+    """
+
+    __slots__ = ("_free", "_name", "_top", "_used")
+
+    def __init__(self, capacity: int, *, name: str = "pool") -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ConfigError(f"capacity: must be a positive int, got {capacity!r}")
+        self._name = name
+        # Stack with its top at the end; reversed so the first alloc returns 0, 1, 2, ...
+        self._free: PageIds = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+        self._top = capacity
+        self._used = np.zeros(capacity, dtype=np.bool_)
+
+    def __repr__(self) -> str:
+        return f"<PageAllocator {self._name}: {self.num_used} used, {self.num_free} free>"
+
+    @property
+    def capacity(self) -> int:
+        return len(self._used)
+
+    @property
+    def num_free(self) -> int:
+        return self._top
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - self._top
+
+    def alloc(self, n: int) -> PageIds | None:
+        """Take `n` free pages, or return None (and take nothing) if fewer are free."""
+        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+            raise ConfigError(f"n: must be an int >= 0, got {n!r}")
+        if n > self._top:
+            return None
+        pages = self._free[self._top - n:self._top][::-1].copy()
+        self._top -= n
+        self._used[pages] = True
+        return pages
+
+    def free(self, pages: npt.ArrayLike) -> None:
+        """Give `pages` back. Nothing is freed if any id is foreign, free or repeated.
+
+        Raises:
+            PageError: an id is outside the pool, not allocated, or listed twice.
+        """
+        ids = np.asarray(pages, dtype=np.int64).reshape(-1)
+        if len(ids) == 0:
+            return
+        self.check_allocated(ids)
+        if len(ids) > 1 and len(np.unique(ids)) != len(ids):
+            raise PageError(f"{self._name}: page ids listed twice in one free")
+        self._used[ids] = False
+        self._free[self._top:self._top + len(ids)] = ids[::-1]
+        self._top += len(ids)
+
+    def check_allocated(self, ids: PageIds) -> None:
+        """Raise `PageError` unless every id in `ids` is a currently allocated page."""
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.capacity:
+            bad = lo if lo < 0 else hi
+            raise PageError(f"{self._name}: page {bad} is foreign to a pool of "
+                            f"{self.capacity} pages")
+        used = self._used[ids]
+        if not used.all():
+            bad = int(ids[np.argmin(used)])
+            raise PageError(f"{self._name}: page {bad} is not allocated (double free?)")
+
+    def is_used(self, ids: PageIds) -> npt.NDArray[np.bool_]:
+        return self._used[ids]
+
+    def used_pages(self) -> PageIds:
+        """All allocated page ids (O(capacity); for invariant checks only)."""
+        return np.flatnonzero(self._used).astype(np.int64)
+
+    def free_pages(self) -> PageIds:
+        """The free stack, top last (for invariant checks only)."""
+        return self._free[:self._top].copy()

@@ -1,0 +1,156 @@
+"""The two in-memory tiers: `DevicePool` (L1, what attention reads) and `HostPool` (L2).
+
+Both hold KV for whole pages of `page_size` tokens and expose, for every layer and K/V tensor,
+a ``(num_pages, page_size, *row_shape)`` view; transfers copy pages between such views.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+
+from ..config import KVSpec
+from ..errors import ConfigError
+from ._allocator import PageAllocator, PageIds
+
+__all__ = ("DevicePool", "HostPool")
+
+
+class _PagePool:
+    __slots__ = ("allocator", "data", "num_pages", "page_size", "spec")
+
+    def __init__(self, spec: KVSpec, *, num_pages: int, page_size: int, name: str) -> None:
+        self.spec = spec
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages, name=name)
+        self.data: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def layer_view(self, kv: int, layer: int) -> torch.Tensor:
+        """Pages of K (kv=0), V (kv=1) or the MLA latent (kv=0) of one layer."""
+        raise NotImplementedError
+
+
+class DevicePool(_PagePool):
+    """L1: per-layer K/V buffers in the layout paged-attention kernels read.
+
+    Token slot ``s`` of page ``p`` is ``p * page_size + s``; `k_buffer(layer)` is a
+    ``(num_slots, num_kv_heads, head_dim)`` tensor (MLA: `kv_buffer(layer)`,
+    ``(num_slots, kv_lora_rank + rope_dim)``).
+    """
+
+    __slots__ = ("device",)
+
+    def __init__(self, spec: KVSpec, *, num_pages: int, page_size: int,
+                 device: str | torch.device = "cpu") -> None:
+        super().__init__(spec, num_pages=num_pages, page_size=page_size, name="device pool")
+        self.device = torch.device(device)
+        shape = (spec.num_kv, spec.num_layers, num_pages, page_size, *spec.row_shape)
+        self.data = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def layer_view(self, kv: int, layer: int) -> torch.Tensor:
+        return self.data[kv, layer]
+
+    def _slots(self, kv: int, layer: int) -> torch.Tensor:
+        return self.data[kv, layer].view(self.num_slots, *self.spec.row_shape)
+
+    def k_buffer(self, layer: int) -> torch.Tensor:
+        """MHA: the K cache of `layer`, indexed by token slot."""
+        self._require("mha")
+        return self._slots(0, layer)
+
+    def v_buffer(self, layer: int) -> torch.Tensor:
+        """MHA: the V cache of `layer`, indexed by token slot."""
+        self._require("mha")
+        return self._slots(1, layer)
+
+    def kv_buffer(self, layer: int) -> torch.Tensor:
+        """MLA: the latent cache of `layer`, indexed by token slot."""
+        self._require("mla")
+        return self._slots(0, layer)
+
+    def _require(self, kind: str) -> None:
+        if self.spec.kind != kind:
+            raise ConfigError(f"spec: this buffer exists for {kind.upper()} models only, "
+                              f"the pool holds {self.spec.kind.upper()}")
+
+    def pages_to_slots(self, pages: PageIds) -> torch.Tensor:
+        """Token slots (int64, on the pool's device) of the given pages, in order."""
+        offsets = np.arange(self.page_size, dtype=np.int64)
+        slots = (pages[:, None] * self.page_size + offsets).reshape(-1)
+        return torch.from_numpy(slots).to(self.device)
+
+    def slots_to_pages(self, slots: torch.Tensor) -> PageIds:
+        """The pages that `slots` fill from their start, page by page.
+
+        Raises:
+            ConfigError: `slots` is not a 1-D integer tensor of whole, page-aligned pages
+                (a trailing partial page is allowed).
+        """
+        if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (
+                torch.int64, torch.int32):
+            raise ConfigError("slots: must be a 1-D int64/int32 tensor of token slots")
+        arr = slots.detach().cpu().numpy().astype(np.int64, copy=False)
+        ps = self.page_size
+        if len(arr) and (arr.min() < 0 or arr.max() >= self.num_slots):
+            raise ConfigError(f"slots: outside the device pool's {self.num_slots} slots")
+        num_pages = -(-len(arr) // ps)
+        padded = np.full(num_pages * ps, -1, dtype=np.int64)
+        padded[:len(arr)] = arr
+        rows = padded.reshape(num_pages, ps)
+        pages = rows[:, 0] // ps
+        expected = pages[:, None] * ps + np.arange(ps)
+        valid = rows >= 0
+        if not np.array_equal(rows[valid], expected[valid]) or (
+                len(arr) and arr[0] % ps != 0):
+            raise ConfigError("slots: must cover whole pages in order, as allocate() returns them")
+        return pages.astype(np.int64)
+
+
+class HostPool(_PagePool):
+    """L2: host memory for KV pages in one of two layouts.
+
+    - ``layer_first``: ``[num_kv, num_layers, num_pages, page_size, *row]`` mirrors the device
+      pool, so per-layer transfers read one contiguous run per layer.
+    - ``page_first``: ``[num_pages, num_kv, num_layers, page_size, *row]`` keeps every page in
+      one contiguous block, so one page is one storage object without a gather.
+    """
+
+    __slots__ = ("layout",)
+
+    def __init__(self, spec: KVSpec, *, num_pages: int, page_size: int,
+                 layout: Literal["layer_first", "page_first"] = "page_first",
+                 pin_memory: bool = False) -> None:
+        super().__init__(spec, num_pages=num_pages, page_size=page_size, name="host pool")
+        if layout not in ("layer_first", "page_first"):
+            raise ConfigError(f"host_layout: unknown layout {layout!r}")
+        self.layout = layout
+        if layout == "layer_first":
+            shape = (spec.num_kv, spec.num_layers, num_pages, page_size, *spec.row_shape)
+        else:
+            shape = (num_pages, spec.num_kv, spec.num_layers, page_size, *spec.row_shape)
+        self.data = torch.zeros(shape, dtype=spec.dtype, pin_memory=pin_memory)
+
+    def layer_view(self, kv: int, layer: int) -> torch.Tensor:
+        if self.layout == "layer_first":
+            return self.data[kv, layer]
+        return self.data[:, kv, layer]
+
+    def page_tensor(self, page: int) -> torch.Tensor:
+        """All KV of one page as a ``[num_kv, num_layers, page_size, *row]`` tensor.
+
+        A view for ``page_first``; a gathered copy for ``layer_first``.
+        """
+        if self.layout == "page_first":
+            return self.data[page]
+        return self.data[:, :, page].clone()

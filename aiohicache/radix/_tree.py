@@ -1,0 +1,533 @@
+"""The radix tree over token pages: match, insert, pin, evict. Synchronous and I/O-free.
+
+Every method mutates the tree and the two page allocators to a consistent state before it
+returns; the async controller then moves bytes according to what the method reported. Only the
+event loop calls the tree, so it takes no lock (design rule 1).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from ..errors import InvariantError
+from ..memory import PageAllocator, PageIds
+from ._node import DeviceState, HostState, Node, PendingOp
+
+__all__ = ("Eviction", "InsertResult", "Match", "RadixTree")
+
+Tokens = tuple[int, ...]
+_HeapEntry = tuple[tuple[int, ...], int, Node]
+
+
+@dataclass(slots=True)
+class Match:
+    """What `RadixTree.match` found for a token sequence.
+
+    `path` lists the matched nodes root-down. Because device residency is prefix-closed, the
+    first `num_device_nodes` of them are on the device (settled or loading) and the rest are
+    host-only.
+    """
+
+    path: list[Node]
+    num_device_nodes: int
+    page_size: int
+
+    @property
+    def device_nodes(self) -> list[Node]:
+        return self.path[:self.num_device_nodes]
+
+    @property
+    def host_nodes(self) -> list[Node]:
+        return self.path[self.num_device_nodes:]
+
+    @property
+    def last_device_node(self) -> Node | None:
+        return self.path[self.num_device_nodes - 1] if self.num_device_nodes else None
+
+    @property
+    def last_node(self) -> Node | None:
+        return self.path[-1] if self.path else None
+
+    @property
+    def num_device_pages(self) -> int:
+        return sum(n.num_pages for n in self.device_nodes)
+
+    @property
+    def num_host_pages(self) -> int:
+        return sum(n.num_pages for n in self.host_nodes)
+
+    def device_pages(self) -> PageIds:
+        parts = [n.device_pages for n in self.device_nodes if n.device_pages is not None]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+@dataclass(slots=True)
+class InsertResult:
+    """What `RadixTree.insert` did: nodes now holding the caller's pages, and duplicates."""
+
+    last_node: Node | None
+    new_nodes: list[Node] = field(default_factory=list)
+    duplicate_pages: list[PageIds] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Eviction:
+    """Pages a device eviction freed now, and nodes staged to the host (write-back)."""
+
+    freed_pages: int = 0
+    write_backs: list[Node] = field(default_factory=list)
+
+
+class RadixTree:
+    """A page-granular radix tree whose nodes record device and host residency.
+
+    Eviction order: a lazy min-heap per tier keyed by ``(last_access, id)`` (LRU) or
+    ``(hit_count, last_access, id)`` (LFU). Entries go stale when a node's key changes or it
+    stops being a candidate; `_pop_candidate` discards those, and the heap is rebuilt when
+    stale entries outnumber live nodes. Push and pop are O(log n); nothing scans the tree.
+    """
+
+    def __init__(self, *, page_size: int, device_alloc: PageAllocator,
+                 host_alloc: PageAllocator, eviction: Literal["lru", "lfu"] = "lru") -> None:
+        self.page_size = page_size
+        self.device_alloc = device_alloc
+        self.host_alloc = host_alloc
+        self._ids = itertools.count(1)
+        self.root = Node(id=0, parent=None, key=())
+        self.root.lock_ref = 1  # the root is never evicted
+        self._clock = 0
+        self._num_nodes = 0
+        self._evict_key: Callable[[Node], tuple[int, ...]] = (
+            (lambda n: (n.last_access, n.id)) if eviction == "lru"
+            else (lambda n: (n.hit_count, n.last_access, n.id)))
+        self._device_heap: list[_HeapEntry] = []
+        self._host_heap: list[_HeapEntry] = []
+        self.device_evicted_pages = 0
+        self.host_evicted_pages = 0
+        self.device_eviction_order: list[int] | None = None  # node ids, when tracing
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every node but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def match(self, tokens: Tokens, *, touch: bool = True) -> Match:
+        """Find the longest cached page-aligned prefix of `tokens`.
+
+        A match that ends inside a node splits it at the page boundary, so `path` covers
+        exactly the matched pages. With `touch`, matched nodes count a hit and become the most
+        recently used.
+        """
+        path: list[Node] = []
+        node, pos, end = self.root, 0, len(tokens) - len(tokens) % self.page_size
+        while pos < end:
+            child = node.children.get(tokens[pos:pos + self.page_size])
+            if child is None:
+                break
+            klen = len(child.key)
+            if tokens[pos:pos + klen] != child.key:
+                child = self._split(child, self._common_pages(child.key, tokens, pos))
+            path.append(child)
+            pos += len(child.key)
+            node = child
+            if len(child.key) < klen:
+                break
+        if touch:
+            self._touch(path, hit=True)
+        num_device = 0
+        while num_device < len(path) and path[num_device].on_device:
+            num_device += 1
+        return Match(path, num_device, self.page_size)
+
+    def _common_pages(self, key: Tokens, tokens: Tokens, pos: int) -> int:
+        ps, n = self.page_size, 1  # the first page matched through the child's dict key
+        limit = min(len(key), len(tokens) - pos) // ps
+        while n < limit and key[n * ps:(n + 1) * ps] == tokens[pos + n * ps:pos + (n + 1) * ps]:
+            n += 1
+        return n
+
+    def _touch(self, nodes: list[Node], *, hit: bool) -> None:
+        self._clock += 1
+        for node in nodes:
+            node.last_access = self._clock
+            if hit:
+                node.hit_count += 1
+        for node in nodes:
+            self._offer(node)
+
+    # ------------------------------------------------------------------ insert
+
+    def insert(self, tokens: Tokens, pages: PageIds, *, start_page: int = 0) -> InsertResult:
+        """Insert `tokens` (whole pages) whose KV sits in device `pages` (one per page).
+
+        Pages before `start_page` are the caller's matched prefix and already belong to the
+        tree. From `start_page` on, pages of a prefix someone else inserted meanwhile are
+        reported as duplicates (the caller frees them), except that a host-only node takes the
+        caller's fresh device pages. What is left becomes a new leaf. The result lists every
+        node that now holds the caller's pages.
+        """
+        ps = self.page_size
+        assert len(tokens) == len(pages) * ps, "tokens and pages disagree"
+        res = InsertResult(last_node=None)
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos:pos + ps])
+            if child is None:
+                break
+            if tokens[pos:pos + len(child.key)] != child.key:
+                child = self._split(child, self._common_pages(child.key, tokens, pos))
+            self._adopt_or_drop(child, pages, pos // ps, start_page, res)
+            pos += len(child.key)
+            node = child
+        if pos < len(tokens):
+            leaf = self._add_leaf(node, tokens[pos:], pages[pos // ps:])
+            res.new_nodes.append(leaf)
+            node = leaf
+        res.last_node = node if node is not self.root else None
+        for new in res.new_nodes:
+            new.hit_count += 1
+        self._touch(node.path_to_root()[::-1], hit=False)
+        return res
+
+    def _adopt_or_drop(self, node: Node, pages: PageIds, first: int, start: int,
+                       res: InsertResult) -> None:
+        theirs = pages[first:first + node.num_pages]
+        if first + node.num_pages <= start:
+            return  # the caller's own matched prefix
+        if first < start:
+            raise InvariantError("insert: a node straddles the caller's matched prefix")
+        if not node.on_device and node.parent is not None and (
+                node.parent is self.root or node.parent.on_device):
+            self._set_device(node, theirs.copy(), DeviceState.RESIDENT)
+            res.new_nodes.append(node)
+        else:
+            res.duplicate_pages.append(theirs)
+
+    def _add_leaf(self, parent: Node, key: Tokens, pages: PageIds) -> Node:
+        leaf = Node(id=next(self._ids), parent=parent, key=key)
+        parent.children[key[:self.page_size]] = leaf
+        self._num_nodes += 1
+        self._set_device(leaf, pages.copy(), DeviceState.RESIDENT)
+        return leaf
+
+    def split(self, node: Node, num_pages: int) -> Node:
+        """Cut `node` after `num_pages` pages; return the new upper part (node keeps the rest)."""
+        return self._split(node, num_pages)
+
+    def _split(self, node: Node, num_pages: int) -> Node:
+        """Cut `node` after `num_pages` pages; return the new upper part (node keeps the rest)."""
+        ps, cut = self.page_size, num_pages * self.page_size
+        parent = node.parent
+        assert parent is not None and 0 < num_pages < node.num_pages
+        upper = Node(id=next(self._ids), parent=parent, key=node.key[:cut],
+                     device_state=node.device_state, host_state=node.host_state,
+                     lock_ref=node.lock_ref, host_ref=node.host_ref, hit_count=node.hit_count,
+                     last_access=node.last_access, load_op=node.load_op, write_op=node.write_op)
+        if node.device_pages is not None:
+            upper.device_pages, node.device_pages = (node.device_pages[:num_pages].copy(),
+                                                     node.device_pages[num_pages:].copy())
+        if node.host_pages is not None:
+            upper.host_pages, node.host_pages = (node.host_pages[:num_pages].copy(),
+                                                 node.host_pages[num_pages:].copy())
+        if node.hashes is not None:
+            upper.hashes, node.hashes = node.hashes[:num_pages], node.hashes[num_pages:]
+        for op in {id(o): o for o in (node.load_op, node.write_op) if o is not None}.values():
+            op.nodes.append(upper)
+        node.key = node.key[cut:]
+        node.parent = upper
+        upper.children[node.key[:ps]] = node
+        upper.device_children, upper.host_children = int(node.on_device), int(node.on_host)
+        parent.children[upper.key[:ps]] = upper
+        self._num_nodes += 1
+        return upper
+
+    # ------------------------------------------------------------------ state changes
+
+    def _set_device(self, node: Node, pages: PageIds | None, state: DeviceState) -> None:
+        was = node.on_device
+        node.device_pages, node.device_state = pages, state
+        assert (pages is None) == (state is DeviceState.ABSENT)
+        if node.parent is not None and was != node.on_device:
+            node.parent.device_children += 1 if node.on_device else -1
+            self._offer(node.parent)
+        self._offer(node)
+
+    def _set_host(self, node: Node, pages: PageIds | None, state: HostState) -> None:
+        was = node.on_host
+        node.host_pages, node.host_state = pages, state
+        assert (pages is None) == (state is HostState.ABSENT)
+        if node.parent is not None and was != node.on_host:
+            node.parent.host_children += 1 if node.on_host else -1
+            self._offer(node.parent)
+        self._offer(node)
+
+    def lock(self, node: Node | None) -> None:
+        """Pin `node` and its ancestors on the device."""
+        for n in node.path_to_root() if node is not None else ():
+            n.lock_ref += 1
+
+    def unlock(self, node: Node | None) -> None:
+        for n in node.path_to_root() if node is not None else ():
+            if n.lock_ref <= 0:
+                raise InvariantError(f"unlock: {n!r} is not locked")
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._offer(n)
+
+    def protect_host(self, node: Node) -> None:
+        node.host_ref += 1
+
+    def release_host(self, node: Node) -> None:
+        if node.host_ref <= 0:
+            raise InvariantError(f"release_host: {node!r} is not protected")
+        node.host_ref -= 1
+        if node.host_ref == 0:
+            self._offer(node)
+
+    def begin_load(self, node: Node, op: PendingOp, *,
+                   write_back: PendingOp | None = None) -> bool:
+        """Give host-only `node` device pages and mark it LOADING (op owns it until settled).
+
+        Returns False when the device cannot free enough pages; the node is unchanged then
+        (eviction may have happened).
+        """
+        assert node.host_state is HostState.RESIDENT and not node.on_device
+        pages = self.alloc_device(node.num_pages, write_back=write_back)
+        if pages is None:
+            return False
+        self._set_device(node, pages, DeviceState.LOADING)
+        node.load_op = op
+        self.protect_host(node)
+        op.nodes.append(node)
+        return True
+
+    def end_load(self, node: Node) -> None:
+        assert node.device_state is DeviceState.LOADING
+        node.load_op = None
+        self.release_host(node)
+        self._set_device(node, node.device_pages, DeviceState.RESIDENT)
+
+    def begin_write(self, node: Node, op: PendingOp) -> bool:
+        """Give device-resident `node` host pages and mark it WRITING.
+
+        Returns False, changing nothing, when the host cannot free enough pages.
+        """
+        assert node.on_device and not node.on_host
+        assert node.parent is self.root or (node.parent is not None and node.parent.on_host)
+        pages = self.alloc_host(node.num_pages)
+        if pages is None:
+            return False
+        self._set_host(node, pages, HostState.WRITING)
+        node.write_op = op
+        op.nodes.append(node)
+        return True
+
+    def end_write(self, node: Node, *, demote: bool = False) -> None:
+        """Settle a write; with `demote` (write-back) free the device copy if it is unpinned."""
+        assert node.host_state is HostState.WRITING
+        node.write_op = None
+        self._set_host(node, node.host_pages, HostState.RESIDENT)
+        if demote and self._device_candidate(node):
+            self._evict_device_node(node, out=Eviction())
+
+    # ------------------------------------------------------------------ allocation & eviction
+
+    def alloc_device(self, num_pages: int, *,
+                     write_back: PendingOp | None = None) -> PageIds | None:
+        """Allocate device pages, evicting unpinned leaves if needed.
+
+        With a `write_back` op, leaves without a host copy are staged to the host instead of
+        dropped; their pages free up later, so this call may still return None.
+        """
+        pages = self.device_alloc.alloc(num_pages)
+        if pages is None:
+            self.evict_device(num_pages - self.device_alloc.num_free, write_back=write_back)
+            pages = self.device_alloc.alloc(num_pages)
+        return pages
+
+    def alloc_host(self, num_pages: int) -> PageIds | None:
+        pages = self.host_alloc.alloc(num_pages)
+        if pages is None:
+            self.evict_host(num_pages - self.host_alloc.num_free)
+            pages = self.host_alloc.alloc(num_pages)
+        return pages
+
+    def evict_device(self, num_pages: int, *, write_back: PendingOp | None = None) -> Eviction:
+        """Free at least `num_pages` device pages if unpinned leaves allow, LRU first.
+
+        A leaf with a host copy is demoted to host-only. Without one it is deleted, or, given a
+        `write_back` op, staged to the host: it becomes WRITING under that op and its device
+        pages are freed when the write settles (`end_write(demote=True)`); staged pages count
+        towards `num_pages`.
+        """
+        out = Eviction()
+        staged = 0
+        while out.freed_pages + staged < num_pages:
+            node = self._pop_candidate(self._device_heap, self._device_candidate)
+            if node is None:
+                break
+            if self.device_eviction_order is not None:
+                self.device_eviction_order.append(node.id)
+            if write_back is not None and self._stage_write_back(node, write_back):
+                out.write_backs.append(node)
+                staged += node.num_pages
+            else:
+                self._evict_device_node(node, out=out)
+        return out
+
+    def _stage_write_back(self, node: Node, op: PendingOp) -> bool:
+        if node.on_host or not (node.parent is self.root or (
+                node.parent is not None and node.parent.on_host)):
+            return False
+        return self.begin_write(node, op)
+
+    def _evict_device_node(self, node: Node, *, out: Eviction) -> None:
+        pages = node.device_pages
+        assert pages is not None
+        self.device_alloc.free(pages)
+        self.device_evicted_pages += len(pages)
+        out.freed_pages += len(pages)
+        self._set_device(node, None, DeviceState.ABSENT)
+        if not node.on_host:
+            self._delete(node)
+
+    def evict_host(self, num_pages: int) -> int:
+        """Free at least `num_pages` host pages by deleting host-only leaves, LRU first."""
+        freed = 0
+        while freed < num_pages:
+            node = self._pop_candidate(self._host_heap, self._host_candidate)
+            if node is None:
+                break
+            assert node.host_pages is not None
+            self.host_alloc.free(node.host_pages)
+            freed += len(node.host_pages)
+            self.host_evicted_pages += len(node.host_pages)
+            self._set_host(node, None, HostState.ABSENT)
+            self._delete(node)
+        return freed
+
+    def _delete(self, node: Node) -> None:
+        assert not node.children and not node.on_device and not node.on_host
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key[:self.page_size]]
+        node.alive = False
+        self._num_nodes -= 1
+        self._offer(parent)
+
+    def _device_candidate(self, node: Node) -> bool:
+        return (node.alive and node.device_state is DeviceState.RESIDENT
+                and node.device_children == 0 and node.lock_ref == 0
+                and node.host_state is not HostState.WRITING)
+
+    def _host_candidate(self, node: Node) -> bool:
+        return (node.alive and node.host_state is HostState.RESIDENT and not node.on_device
+                and not node.children and node.host_ref == 0 and node.parent is not None)
+
+    def _offer(self, node: Node) -> None:
+        """Push `node` on the eviction heap(s) it is now a candidate for."""
+        if node.parent is None:
+            return
+        if self._device_candidate(node):
+            heapq.heappush(self._device_heap, (self._evict_key(node), node.id, node))
+        if self._host_candidate(node):
+            heapq.heappush(self._host_heap, (self._evict_key(node), node.id, node))
+        if len(self._device_heap) + len(self._host_heap) > 4 * self._num_nodes + 1024:
+            self._compact()
+
+    def _pop_candidate(self, heap: list[_HeapEntry],
+                       is_candidate: Callable[[Node], bool]) -> Node | None:
+        while heap:
+            key, _, node = heapq.heappop(heap)
+            if is_candidate(node) and key == self._evict_key(node):
+                return node
+        return None
+
+    def _compact(self) -> None:
+        nodes = list(self.iter_nodes())
+        self._device_heap = [(self._evict_key(n), n.id, n) for n in nodes
+                             if self._device_candidate(n)]
+        self._host_heap = [(self._evict_key(n), n.id, n) for n in nodes
+                           if self._host_candidate(n)]
+        heapq.heapify(self._device_heap)
+        heapq.heapify(self._host_heap)
+
+    # ------------------------------------------------------------------ checks
+
+    def fingerprint(self) -> int:
+        """A hash of the tree's shape and tier states (equal trees give equal values)."""
+        items = sorted((n.path_to_root().__len__(), n.key, n.device_state.value,
+                        n.host_state.value) for n in self.iter_nodes())
+        return hash(tuple(items))
+
+    def check(self) -> None:
+        """Raise `InvariantError` if the tree's structure or tier states are inconsistent."""
+        seen_device: set[int] = set()
+        seen_host: set[int] = set()
+        count = 0
+        for node in self.iter_nodes():
+            count += 1
+            self._check_node(node)
+            _claim(seen_device, node.device_pages, f"device pages of {node!r}")
+            _claim(seen_host, node.host_pages, f"host pages of {node!r}")
+        if count != self._num_nodes:
+            raise InvariantError(f"node count {self._num_nodes} but {count} reachable")
+        for heap, pred in ((self._device_heap, self._device_candidate),
+                           (self._host_heap, self._host_candidate)):
+            queued = {n.id for k, _, n in heap if k == self._evict_key(n)}
+            for node in self.iter_nodes():
+                if pred(node) and node.id not in queued:
+                    raise InvariantError(f"eviction candidate {node!r} is not queued")
+
+    def _check_node(self, node: Node) -> None:
+        ps, parent = self.page_size, node.parent
+        _require(parent is not None and parent.children.get(node.key[:ps]) is node,
+                 f"{node!r} is not linked from its parent")
+        assert parent is not None
+        _require(len(node.key) == node.num_pages * ps and node.num_pages > 0,
+                 f"{node!r} key length disagrees with its pages")
+        _require((node.device_pages is None) == (not node.on_device), f"{node!r} device state")
+        _require((node.host_pages is None) == (not node.on_host), f"{node!r} host state")
+        _require(node.on_device or node.on_host, f"{node!r} holds KV in no tier")
+        for pages in (node.device_pages, node.host_pages):
+            _require(pages is None or len(pages) == node.num_pages, f"{node!r} page counts")
+        if parent is not self.root:
+            _require(parent.on_device or not node.on_device, f"{node!r} device not prefix-closed")
+            _require(parent.on_host or not node.on_host, f"{node!r} host not prefix-closed")
+        kids = node.children.values()
+        _require(node.device_children == sum(c.on_device for c in kids), f"{node!r} device kids")
+        _require(node.host_children == sum(c.on_host for c in kids), f"{node!r} host kids")
+        _require(node.lock_ref >= sum(c.lock_ref for c in kids), f"{node!r} lock below children")
+        _require((node.device_state is DeviceState.LOADING) == (node.load_op is not None),
+                 f"{node!r} loading without an op")
+        _require((node.host_state is HostState.WRITING) == (node.write_op is not None),
+                 f"{node!r} writing without an op")
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise InvariantError(message)
+
+
+def _claim(seen: set[int], pages: PageIds | None, what: str) -> None:
+    if pages is None:
+        return
+    ids = set(pages.tolist())
+    if len(ids) != len(pages) or ids & seen:
+        raise InvariantError(f"{what} are referenced twice")
+    seen |= ids

@@ -1,0 +1,99 @@
+"""The CPU transfer engine: page copies on two worker threads that play the CUDA streams.
+
+Loads and writes each run on their own single-thread executor, so copies of one direction
+complete in submission order (like a stream) and the event loop only submits and collects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import anyio.to_thread
+
+from ..errors import ClosedError
+from ..memory import DevicePool, HostPool, PageIds
+from ._copy import CopyPlan, Scratch, copy_pages
+from .base import TransferHandle
+
+__all__ = ("CpuTransferEngine",)
+
+log = logging.getLogger(__name__)
+
+
+class _Stream:
+    """One worker thread with its own scratch buffer; work runs in submission order."""
+
+    def __init__(self, name: str) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.scratch = Scratch()
+
+
+class CpuTransferEngine:
+    """Copies pages between a CPU `DevicePool` and a `HostPool` off the event loop."""
+
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool) -> None:
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self._load = _Stream("aiohicache-load")
+        self._write = _Stream("aiohicache-write")
+        self._closed = False
+
+    def load(self, host_pages: PageIds, device_pages: PageIds) -> TransferHandle:
+        return self._submit(self._load, host_pages, device_pages, to_device=True)
+
+    def write(self, device_pages: PageIds, host_pages: PageIds) -> TransferHandle:
+        return self._submit(self._write, device_pages, host_pages, to_device=False)
+
+    def _submit(self, stream: _Stream, src: PageIds, dst: PageIds, *,
+                to_device: bool) -> TransferHandle:
+        if self._closed:
+            raise ClosedError("transfer engine is closed")
+        spec = self.device_pool.spec
+        handle = TransferHandle(num_layers=spec.num_layers,
+                                nbytes=len(src) * self.device_pool.page_size
+                                * spec.bytes_per_token)
+        plan = CopyPlan.build(src, dst)
+        loop = asyncio.get_running_loop()
+        stream.executor.submit(self._run, stream, plan, handle, loop, to_device)
+        return handle
+
+    def _run(self, stream: _Stream, plan: CopyPlan, handle: TransferHandle,
+             loop: asyncio.AbstractEventLoop, to_device: bool) -> None:
+        """Worker thread: copy layer by layer, reporting each layer to the loop."""
+        dev, host = self.device_pool, self.host_pool
+        try:
+            for layer in range(dev.spec.num_layers):
+                for kv in range(dev.spec.num_kv):
+                    src, dst = host.layer_view(kv, layer), dev.layer_view(kv, layer)
+                    if not to_device:
+                        src, dst = dst, src
+                    copy_pages(src, dst, plan, stream.scratch)
+                if to_device:
+                    _call_soon(loop, handle._layer_done, layer)
+        except Exception as exc:  # reported through the handle, never lost
+            log.exception("page copy failed")
+            _call_soon(loop, handle._finish, exc)
+            return
+        _call_soon(loop, handle._finish, None)
+
+    async def aclose(self) -> None:
+        """Wait for submitted copies, then stop the worker threads.
+
+        Cancellation: the threads are still shut down; the copies they run complete.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for stream in (self._load, self._write):
+            await anyio.to_thread.run_sync(stream.executor.shutdown, abandon_on_cancel=False)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:
+    # NOTE: the loop may already be closed if the owner abandoned it; nothing is left to tell.
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        log.debug("event loop closed before a copy completed")
