@@ -1,0 +1,93 @@
+"""PageAllocator: O(k) alloc/free, contiguous reuse, and loud failure on misuse."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aiohicache import ConfigError, PageError
+from aiohicache.memory import PageAllocator
+
+
+def test_fresh_allocator_hands_out_ascending_pages() -> None:
+    alloc = PageAllocator(8)
+    assert alloc.alloc(3).tolist() == [0, 1, 2]
+    assert alloc.alloc(2).tolist() == [3, 4]
+    assert (alloc.num_used, alloc.num_free, alloc.capacity) == (5, 3, 8)
+
+
+def test_freed_run_is_reused_first_and_in_order() -> None:
+    alloc = PageAllocator(8)
+    run = alloc.alloc(4)
+    alloc.alloc(2)
+    alloc.free(run)
+    assert alloc.alloc(4).tolist() == run.tolist()
+
+
+def test_alloc_beyond_free_returns_none_and_takes_nothing() -> None:
+    alloc = PageAllocator(4)
+    alloc.alloc(3)
+    assert alloc.alloc(2) is None
+    assert alloc.num_free == 1
+
+
+def test_alloc_zero_is_empty_and_negative_is_an_error() -> None:
+    alloc = PageAllocator(4)
+    assert alloc.alloc(0).tolist() == []
+    with pytest.raises(ConfigError, match="^n:"):
+        alloc.alloc(-1)
+
+
+def test_capacity_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="^capacity:"):
+        PageAllocator(0)
+
+
+def test_double_free_is_detected_and_frees_nothing() -> None:
+    alloc = PageAllocator(8)
+    pages = alloc.alloc(4)
+    alloc.free(pages[:2])
+    with pytest.raises(PageError, match="not allocated"):
+        alloc.free(pages)  # pages 0, 1 are already free
+    assert alloc.num_free == 6  # 2, 3 still allocated: nothing was freed by the bad call
+    assert alloc.is_used(pages[2:]).all()
+
+
+def test_foreign_ids_are_detected() -> None:
+    alloc = PageAllocator(8)
+    alloc.alloc(8)
+    with pytest.raises(PageError, match="foreign"):
+        alloc.free([8])
+    with pytest.raises(PageError, match="foreign"):
+        alloc.free([-1])
+
+
+def test_repeated_id_in_one_free_is_detected() -> None:
+    alloc = PageAllocator(8)
+    alloc.alloc(4)
+    with pytest.raises(PageError, match="twice"):
+        alloc.free([1, 1])
+    assert alloc.num_used == 4
+
+
+def test_free_of_nothing_is_a_no_op() -> None:
+    alloc = PageAllocator(2)
+    alloc.free(np.empty(0, dtype=np.int64))
+    assert alloc.num_free == 2
+
+
+def test_used_and_free_partition_the_pool() -> None:
+    alloc = PageAllocator(16)
+    rng = np.random.default_rng(0)
+    held: list[np.ndarray] = []
+    for _ in range(200):
+        if held and rng.random() < 0.5:
+            alloc.free(held.pop(int(rng.integers(len(held)))))
+        else:
+            got = alloc.alloc(int(rng.integers(1, 4)))
+            if got is not None:
+                held.append(got)
+        used = set(alloc.used_pages().tolist())
+        free = set(alloc.free_pages().tolist())
+        assert not used & free and len(used | free) == 16
+        assert used == {int(p) for arr in held for p in arr}
