@@ -106,7 +106,7 @@ class HiCache:
         self._engine = engine
         self._controller: Controller | None = None
         self._runner: asyncio.Task[None] | None = None
-        self._leased = np.zeros(config.device_pages, dtype=np.bool_)
+        self._leased = np.zeros(config.device_pages, dtype=np.int64)  # page -> owner, 0 = none
         self._num_leased = 0
         self._pins: dict[int, Node] = {}  # live fetch contexts -> their deepest pinned node
         self._pin_ids = itertools.count()
@@ -213,9 +213,13 @@ class HiCache:
         """
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ConfigError(f"num_tokens: must be a positive int, got {num_tokens!r}")
+        self._check_open()
+        return await self._allocate(num_tokens, owner=_ANONYMOUS)
+
+    async def _allocate(self, num_tokens: int, *, owner: int) -> torch.Tensor:
         ctl = self._check_open()
         pages = await ctl.alloc_device_wait(-(-num_tokens // self.config.page_size))
-        self._lease(pages)
+        self._lease(pages, owner)
         return self.device_pool.pages_to_slots(pages)[:num_tokens]
 
     def free(self, slots: torch.Tensor) -> None:
@@ -227,8 +231,8 @@ class HiCache:
         """
         self._release_leases(self.device_pool.slots_to_pages(slots), free=True)
 
-    def _lease(self, pages: PageIds) -> None:
-        self._leased[pages] = True
+    def _lease(self, pages: PageIds, owner: int) -> None:
+        self._leased[pages] = owner
         self._num_leased += len(pages)
 
     def _release_leases(self, pages: PageIds, *, free: bool) -> None:
@@ -236,10 +240,14 @@ class HiCache:
             return
         if len(np.unique(pages)) != len(pages) or not self._leased[pages].all():
             raise PageError("slots: pages not leased by allocate() (double free or foreign)")
-        self._leased[pages] = False
+        self._leased[pages] = 0
         self._num_leased -= len(pages)
         if free:
             self.device_pool.allocator.free(pages)
+
+    def _release_owned(self, pages: PageIds, owner: int) -> None:
+        """Free those of `pages` still leased to `owner` (the user may have freed some)."""
+        self._release_leases(pages[self._leased[pages] == owner], free=True)
 
     def _pin(self, node: Node | None) -> int:
         key = next(self._pin_ids)
@@ -311,7 +319,7 @@ class HiCache:
         nodes = list(self.tree.iter_nodes())
         tree_dev = _ids([n.device_pages for n in nodes])
         tree_host = _ids([n.host_pages for n in nodes])
-        leased = np.flatnonzero(self._leased)
+        leased = np.flatnonzero(self._leased != 0)
         if len(leased) != self._num_leased or np.intersect1d(leased, tree_dev).size:
             raise InvariantError("leased pages disagree with the lease count or the tree")
         owned = np.sort(np.concatenate([tree_dev, leased]))
@@ -338,6 +346,10 @@ class HiCache:
             if n.host_ref != host_refs.get(n.id, 0):
                 raise InvariantError(f"{n!r}: host_ref {n.host_ref}, live loads "
                                      f"{host_refs.get(n.id, 0)}")
+
+
+_ANONYMOUS = -1
+_owner_ids = itertools.count(1)
 
 
 def _ids(parts: list[PageIds | None]) -> PageIds:
@@ -382,6 +394,8 @@ class FetchContext:
         self._pin: int | None = None
         self._leases: list[PageIds] = []
         self._device_indices: torch.Tensor | None = None
+        self._tail: tuple[int, int] | None = None  # leased page being filled, slots used
+        self._owner = next(_owner_ids)
 
     def __repr__(self) -> str:
         return (f"<FetchContext {len(self.tokens)} tokens, {self.num_cached_tokens} cached, "
@@ -455,7 +469,7 @@ class FetchContext:
             self._pin = None
         leases, self._leases = self._leases, []
         for pages in leases:
-            self._cache._release_leases(pages, free=True)
+            self._cache._release_owned(pages, self._owner)
 
     async def layer_ready(self, layer: int) -> None:
         """Wait until `layer` of the cached prefix is on the device.
@@ -478,16 +492,37 @@ class FetchContext:
             await job.wait()
 
     async def allocate(self, num_tokens: int) -> torch.Tensor:
-        """`HiCache.allocate`, but slots not committed are freed when the context exits."""
+        """`HiCache.allocate`, tied to this context: slots not committed are freed on exit.
+
+        After a commit that ended mid-page, the first slots returned are the free rest of
+        that page, so a sequence's KV stays contiguous page by page.
+
+        Cancellation: nothing is leased.
+        """
         self._check_active()
-        slots = await self._cache.allocate(num_tokens)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ConfigError(f"num_tokens: must be a positive int, got {num_tokens!r}")
+        ps = self._cache.config.page_size
+        head = torch.empty(0, dtype=torch.int64)
+        if self._tail is not None:
+            page, used = self._tail
+            take = min(num_tokens, ps - used)
+            head = torch.arange(page * ps + used, page * ps + used + take, dtype=torch.int64)
+            self._tail = (page, used + take) if used + take < ps else None
+            num_tokens -= take
+            if num_tokens == 0:
+                return head.to(self._cache.device_pool.device)
+        slots = await self._cache._allocate(num_tokens, owner=self._owner)
         self._leases.append(self._cache.device_pool.slots_to_pages(slots))
-        return slots
+        if num_tokens % ps:
+            self._tail = (int(slots[-1]) // ps, num_tokens % ps)
+        return torch.cat([head.to(slots.device), slots])
 
     async def commit(self, tokens: TokenInput, slots: torch.Tensor) -> None:
         """Insert `tokens` into the cache, with the KV of ``tokens[num_cached_tokens:]`` at `slots`.
 
-        `tokens` must extend the fetched prefix, and `slots` must be leased (from `allocate`)
+        `tokens` must be a prefix of the fetched tokens (chunked prefill) or extend them
+        (decode), and `slots` must be leased (from `allocate`)
         for exactly the tokens after `num_cached_tokens`. Whole pages join the tree (a page
         that another request inserted meanwhile is freed); a trailing partial page stays
         leased to this context, so decoding can continue and a later `commit` can pass it
@@ -516,9 +551,13 @@ class FetchContext:
         res = cache.tree.insert(toks[:num_full * ps], all_pages, start_page=len(self._pages))
         for dup in res.duplicate_pages:
             cache.device_pool.allocator.free(dup)
+        self._tail = None
         if len(pages) > new_full:
             self._leases.append(pages[new_full:])
+            self._tail = (int(pages[new_full]), len(toks) % ps)
         cache._repin(self._pin_key, res.last_node)
+        if len(toks) > len(self.tokens):
+            self.tokens = toks
         self._pages = _ids([n.device_pages for n in reversed(res.last_node.path_to_root())]) \
             if res.last_node is not None else self._pages
         self._device_indices = None
@@ -528,15 +567,16 @@ class FetchContext:
             await ctl.submit_write(wt)
 
     def _check_commit(self, toks: tuple[int, ...], slots: torch.Tensor) -> PageIds:
-        cached = self.num_cached_tokens
-        if len(toks) < cached or toks[:cached] != self.tokens[:cached]:
-            raise ConfigError("tokens: must extend the cached prefix of the fetched tokens")
+        cached, common = self.num_cached_tokens, min(len(toks), len(self.tokens))
+        if len(toks) < cached or toks[:common] != self.tokens[:common]:
+            raise ConfigError("tokens: must be a prefix or an extension of the fetched tokens, "
+                              "and cover the cached prefix")
         if not isinstance(slots, torch.Tensor) or len(slots) != len(toks) - cached:
             raise ConfigError(f"slots: need one slot per token after the cached prefix "
                               f"({len(toks) - cached}), got "
                               f"{len(slots) if isinstance(slots, torch.Tensor) else slots!r}")
         pages = self._cache.device_pool.slots_to_pages(slots)
-        if len(pages) and not self._cache._leased[pages].all():
+        if len(pages) and not (self._cache._leased[pages] != 0).all():
             raise PageError("slots: not leased by allocate() (already committed or freed?)")
         return pages
 

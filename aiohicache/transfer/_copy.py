@@ -16,7 +16,7 @@ import torch
 
 from ..memory import PageIds
 
-__all__ = ("CopyPlan", "Scratch", "copy_pages")
+__all__ = ("CopyPlan", "Scratch", "as_words", "copy_pages")
 
 _CHUNK_BYTES = 1 << 20
 
@@ -67,6 +67,20 @@ class Scratch:
         if self._buf is None or self._buf.dtype != like.dtype or self._buf.numel() < numel:
             self._buf = torch.empty(numel, dtype=like.dtype, device=like.device)
         return self._buf[:numel].view(shape)
+
+
+def as_words(view: torch.Tensor) -> torch.Tensor:
+    """`view` as ``(num_pages, words)`` of the widest integer type that divides a page.
+
+    Copies move bytes, never values: this keeps them exact for every dtype (fp8 included,
+    which several torch index kernels do not implement) and lets them move 8 bytes at a time.
+    """
+    flat = view.flatten(1)
+    nbytes = flat.shape[1] * flat.element_size()
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if nbytes % dtype.itemsize == 0 and flat.element_size() <= dtype.itemsize:
+            return flat.view(torch.uint8).view(dtype)
+    return flat.view(torch.uint8)
 
 
 def copy_pages(src: torch.Tensor, dst: torch.Tensor, plan: CopyPlan, scratch: Scratch) -> None:

@@ -15,7 +15,7 @@ import anyio.to_thread
 
 from ..errors import ClosedError
 from ..memory import DevicePool, HostPool, PageIds
-from ._copy import CopyPlan, Scratch, copy_pages
+from ._copy import CopyPlan, Scratch, as_words, copy_pages
 from .base import TransferHandle
 
 __all__ = ("CpuTransferEngine",)
@@ -67,7 +67,8 @@ class CpuTransferEngine:
         try:
             for layer in range(dev.spec.num_layers):
                 for kv in range(dev.spec.num_kv):
-                    src, dst = host.layer_view(kv, layer), dev.layer_view(kv, layer)
+                    src = as_words(host.layer_view(kv, layer))
+                    dst = as_words(dev.layer_view(kv, layer))
                     if not to_device:
                         src, dst = dst, src
                     copy_pages(src, dst, plan, stream.scratch)
