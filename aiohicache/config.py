@@ -95,7 +95,7 @@ class KVSpec:
         _choice("kind", self.kind, ("mha", "mla"))
         _positive_int("num_layers", self.num_layers)
         if not isinstance(self.dtype, torch.dtype):
-            object.__setattr__(self, "dtype", parse_dtype(self.dtype))  # type: ignore[unreachable]
+            object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         parse_dtype(self.dtype)
         if self.kind == "mha":
             _positive_int("num_kv_heads", self.num_kv_heads)

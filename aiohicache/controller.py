@@ -20,14 +20,14 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import numpy as np
-from anyio.abc import ObjectReceiveStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .config import HiCacheConfig
-from .errors import CapacityError, ClosedError, WorkerError
+from .errors import CapacityError, WorkerError
 from .memory import PageIds
 from .radix import DeviceState, Match, Node, PendingOp, RadixTree
 from .transfer import TransferEngine, TransferHandle
@@ -116,6 +116,7 @@ class TransferCounters:
 
 
 Agree = Callable[[tuple[int, int]], tuple[int, int]]
+J = TypeVar("J", bound=_Job)
 
 
 class Controller:
@@ -254,7 +255,7 @@ class Controller:
         """Queue a planned write. Cancellation: deferred until the job is queued."""
         await self._send(self._write_tx.send, job)
 
-    async def _send(self, send: Callable[[_Job], Awaitable[None]], job: _Job) -> None:
+    async def _send(self, send: Callable[[J], Awaitable[None]], job: J) -> None:
         # The job's nodes are already in a transitional state: it must reach a worker even if
         # the caller is cancelled, or they would stay LOADING/WRITING for ever.
         self._queued += 1
@@ -319,8 +320,8 @@ class Controller:
     async def _write_worker(self) -> None:
         await self._drain_channel(self._write_rx, self._launch_writes, self._writes)
 
-    async def _drain_channel(self, rx: ObjectReceiveStream[_Job],
-                             launch: Callable[[list[_Job]], None], inflight: deque[_Job]) -> None:
+    async def _drain_channel(self, rx: MemoryObjectReceiveStream[J],
+                             launch: Callable[[list[J]], None], inflight: deque[J]) -> None:
         limit = self.config.max_inflight_loads if rx is self._load_rx \
             else self.config.max_inflight_writes
         async for job in rx:

@@ -296,9 +296,8 @@ async def test_layer_out_of_range_is_a_config_error() -> None:
 
 async def test_use_after_close_raises_closed_error() -> None:
     cache = make_cache()
-    async with cache:
-        async with cache.fetch(make_tokens(4)) as hit:
-            pass
+    async with cache, cache.fetch(make_tokens(4)) as hit:
+        pass
     await cache.aclose()  # idempotent
     with pytest.raises(ClosedError):
         async with cache.fetch(make_tokens(4)):
