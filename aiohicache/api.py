@@ -28,6 +28,7 @@ from .controller import Controller, LoadJob
 from .errors import ClosedError, ConfigError, InvariantError, PageError
 from .memory import DevicePool, HostPool, PageIds
 from .radix import DeviceState, Match, Node, RadixTree
+from .radix._tree import Tokens
 from .transfer import CpuTransferEngine, TransferEngine
 
 __all__ = ("CacheStats", "FetchContext", "HiCache")
@@ -357,22 +358,21 @@ def _ids(parts: list[PageIds | None]) -> PageIds:
     return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
 
 
-def _as_tokens(tokens: TokenInput) -> tuple[int, ...]:
+def _as_tokens(tokens: TokenInput) -> Tokens:
+    """Token ids as a fresh 1-D int64 array (a copy: the caller may reuse its buffer)."""
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex \
                 or tokens.dtype == torch.bool:
             raise ConfigError("tokens: must be a 1-D integer tensor")
-        return tuple(tokens.tolist())
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ConfigError("tokens: must be a 1-D integer array")
-        return tuple(tokens.tolist())
-    if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence):
+        return tokens.detach().cpu().numpy().astype(np.int64)
+    if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence | np.ndarray):
         raise ConfigError(f"tokens: must be a sequence of ints, got {type(tokens).__name__}")
-    out = tuple(tokens)
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in out):
-        raise ConfigError("tokens: every token id must be an int")
-    return out
+    arr = np.array(tokens)
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ConfigError("tokens: must be a 1-D sequence of int token ids")
+    return arr.astype(np.int64, copy=False)
 
 
 class FetchContext:
@@ -383,7 +383,7 @@ class FetchContext:
         device_indices: device token slots (int64 tensor) of that prefix, for attention.
     """
 
-    def __init__(self, cache: HiCache, tokens: tuple[int, ...]) -> None:
+    def __init__(self, cache: HiCache, tokens: Tokens) -> None:
         self._cache = cache
         self.tokens = tokens
         self.num_cached_tokens = 0
@@ -415,7 +415,7 @@ class FetchContext:
         """
         cache = self._cache
         ctl = cache._check_open()
-        if not self.tokens:
+        if len(self.tokens) == 0:
             raise ConfigError("tokens: must not be empty")
         match = cache.tree.match(self.tokens)
         self._pin = cache._pin(match.last_device_node)
@@ -566,9 +566,9 @@ class FetchContext:
         if wt is not None:
             await ctl.submit_write(wt)
 
-    def _check_commit(self, toks: tuple[int, ...], slots: torch.Tensor) -> PageIds:
+    def _check_commit(self, toks: Tokens, slots: torch.Tensor) -> PageIds:
         cached, common = self.num_cached_tokens, min(len(toks), len(self.tokens))
-        if len(toks) < cached or toks[:common] != self.tokens[:common]:
+        if len(toks) < cached or not np.array_equal(toks[:common], self.tokens[:common]):
             raise ConfigError("tokens: must be a prefix or an extension of the fetched tokens, "
                               "and cover the cached prefix")
         if not isinstance(slots, torch.Tensor) or len(slots) != len(toks) - cached:

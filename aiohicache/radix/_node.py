@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from ..memory import PageIds
 
@@ -59,12 +60,13 @@ class Node:
 
     id: int
     parent: Node | None
-    key: tuple[int, ...]
+    key: npt.NDArray[np.int64]
     device_pages: PageIds | None = None
     host_pages: PageIds | None = None
     device_state: DeviceState = DeviceState.ABSENT
     host_state: HostState = HostState.ABSENT
-    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    children: dict[bytes, Node] = field(default_factory=dict)
+    """Keyed by the bytes of the child's first page of tokens."""
     device_children: int = 0
     """Children whose device state is not ABSENT (O(1) leaf test)."""
     host_children: int = 0

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import InvariantError
 from ..memory import PageAllocator, PageIds
@@ -21,7 +22,8 @@ from ._node import DeviceState, HostState, Node, PendingOp
 
 __all__ = ("Eviction", "InsertResult", "Match", "RadixTree")
 
-Tokens = tuple[int, ...]
+Tokens = npt.NDArray[np.int64]
+"""Token ids as a 1-D int64 array: compared in bulk without copies (slices are views)."""
 _HeapEntry = tuple[tuple[int, ...], int, Node]
 
 
@@ -99,7 +101,7 @@ class RadixTree:
         self.device_alloc = device_alloc
         self.host_alloc = host_alloc
         self._ids = itertools.count(1)
-        self.root = Node(id=0, parent=None, key=())
+        self.root = Node(id=0, parent=None, key=np.empty(0, dtype=np.int64))
         self.root.lock_ref = 1  # the root is never evicted
         self._clock = 0
         self._num_nodes = 0
@@ -126,21 +128,22 @@ class RadixTree:
             yield node
             stack.extend(node.children.values())
 
-    def match(self, tokens: Tokens, *, touch: bool = True) -> Match:
+    def match(self, tokens: Tokens | Sequence[int], *, touch: bool = True) -> Match:
         """Find the longest cached page-aligned prefix of `tokens`.
 
         A match that ends inside a node splits it at the page boundary, so `path` covers
         exactly the matched pages. With `touch`, matched nodes count a hit and become the most
         recently used.
         """
+        tokens = as_token_array(tokens)
         path: list[Node] = []
         node, pos, end = self.root, 0, len(tokens) - len(tokens) % self.page_size
         while pos < end:
-            child = node.children.get(tokens[pos:pos + self.page_size])
+            child = node.children.get(tokens[pos:pos + self.page_size].tobytes())
             if child is None:
                 break
             klen = len(child.key)
-            if tokens[pos:pos + klen] != child.key:
+            if not _same(tokens[pos:pos + klen], child.key):
                 child = self._split(child, self._common_pages(child.key, tokens, pos))
             path.append(child)
             pos += len(child.key)
@@ -155,11 +158,11 @@ class RadixTree:
         return Match(path, num_device, self.page_size)
 
     def _common_pages(self, key: Tokens, tokens: Tokens, pos: int) -> int:
-        ps, n = self.page_size, 1  # the first page matched through the child's dict key
-        limit = min(len(key), len(tokens) - pos) // ps
-        while n < limit and key[n * ps:(n + 1) * ps] == tokens[pos + n * ps:pos + (n + 1) * ps]:
-            n += 1
-        return n
+        span = min(len(key), len(tokens) - pos)
+        differ = np.flatnonzero(key[:span] != tokens[pos:pos + span])
+        first = int(differ[0]) if len(differ) else span
+        # >= 1: the first page matched through the child's dict key
+        return max(1, first // self.page_size)
 
     def _touch(self, nodes: list[Node], *, hit: bool) -> None:
         self._clock += 1
@@ -172,7 +175,8 @@ class RadixTree:
 
     # ------------------------------------------------------------------ insert
 
-    def insert(self, tokens: Tokens, pages: PageIds, *, start_page: int = 0) -> InsertResult:
+    def insert(self, tokens: Tokens | Sequence[int], pages: PageIds, *,
+               start_page: int = 0) -> InsertResult:
         """Insert `tokens` (whole pages) whose KV sits in device `pages` (one per page).
 
         Pages before `start_page` are the caller's matched prefix and already belong to the
@@ -181,21 +185,21 @@ class RadixTree:
         caller's fresh device pages. What is left becomes a new leaf. The result lists every
         node that now holds the caller's pages.
         """
-        ps = self.page_size
+        ps, tokens = self.page_size, as_token_array(tokens)
         assert len(tokens) == len(pages) * ps, "tokens and pages disagree"
         res = InsertResult(last_node=None)
         node, pos = self.root, 0
         while pos < len(tokens):
-            child = node.children.get(tokens[pos:pos + ps])
+            child = node.children.get(tokens[pos:pos + ps].tobytes())
             if child is None:
                 break
-            if tokens[pos:pos + len(child.key)] != child.key:
+            if not _same(tokens[pos:pos + len(child.key)], child.key):
                 child = self._split(child, self._common_pages(child.key, tokens, pos))
             self._adopt_or_drop(child, pages, pos // ps, start_page, res)
             pos += len(child.key)
             node = child
         if pos < len(tokens):
-            leaf = self._add_leaf(node, tokens[pos:], pages[pos // ps:])
+            leaf = self._add_leaf(node, tokens[pos:].copy(), pages[pos // ps:])
             res.new_nodes.append(leaf)
             node = leaf
         res.last_node = node if node is not self.root else None
@@ -220,7 +224,7 @@ class RadixTree:
 
     def _add_leaf(self, parent: Node, key: Tokens, pages: PageIds) -> Node:
         leaf = Node(id=next(self._ids), parent=parent, key=key)
-        parent.children[key[:self.page_size]] = leaf
+        parent.children[key[:self.page_size].tobytes()] = leaf
         self._num_nodes += 1
         self._set_device(leaf, pages.copy(), DeviceState.RESIDENT)
         return leaf
@@ -234,7 +238,7 @@ class RadixTree:
         ps, cut = self.page_size, num_pages * self.page_size
         parent = node.parent
         assert parent is not None and 0 < num_pages < node.num_pages
-        upper = Node(id=next(self._ids), parent=parent, key=node.key[:cut],
+        upper = Node(id=next(self._ids), parent=parent, key=node.key[:cut].copy(),
                      device_state=node.device_state, host_state=node.host_state,
                      lock_ref=node.lock_ref, host_ref=node.host_ref, hit_count=node.hit_count,
                      last_access=node.last_access, load_op=node.load_op, write_op=node.write_op)
@@ -248,11 +252,11 @@ class RadixTree:
             upper.hashes, node.hashes = node.hashes[:num_pages], node.hashes[num_pages:]
         for op in {id(o): o for o in (node.load_op, node.write_op) if o is not None}.values():
             op.nodes.append(upper)
-        node.key = node.key[cut:]
+        node.key = node.key[cut:].copy()  # no views: a view would keep the old key alive
         node.parent = upper
-        upper.children[node.key[:ps]] = node
+        upper.children[node.key[:ps].tobytes()] = node
         upper.device_children, upper.host_children = int(node.on_device), int(node.on_host)
-        parent.children[upper.key[:ps]] = upper
+        parent.children[upper.key[:ps].tobytes()] = upper
         self._num_nodes += 1
         return upper
 
@@ -425,7 +429,7 @@ class RadixTree:
         assert not node.children and not node.on_device and not node.on_host
         parent = node.parent
         assert parent is not None
-        del parent.children[node.key[:self.page_size]]
+        del parent.children[node.key[:self.page_size].tobytes()]
         node.alive = False
         self._num_nodes -= 1
         self._offer(parent)
@@ -471,7 +475,7 @@ class RadixTree:
 
     def fingerprint(self) -> int:
         """A hash of the tree's shape and tier states (equal trees give equal values)."""
-        items = sorted((n.path_to_root().__len__(), n.key, n.device_state.value,
+        items = sorted((n.path_to_root().__len__(), n.key.tobytes(), n.device_state.value,
                         n.host_state.value) for n in self.iter_nodes())
         return hash(tuple(items))
 
@@ -496,7 +500,7 @@ class RadixTree:
 
     def _check_node(self, node: Node) -> None:
         ps, parent = self.page_size, node.parent
-        _require(parent is not None and parent.children.get(node.key[:ps]) is node,
+        _require(parent is not None and parent.children.get(node.key[:ps].tobytes()) is node,
                  f"{node!r} is not linked from its parent")
         assert parent is not None
         _require(len(node.key) == node.num_pages * ps and node.num_pages > 0,
@@ -517,6 +521,16 @@ class RadixTree:
                  f"{node!r} loading without an op")
         _require((node.host_state is HostState.WRITING) == (node.write_op is not None),
                  f"{node!r} writing without an op")
+
+
+def as_token_array(tokens: Tokens | Sequence[int]) -> Tokens:
+    if isinstance(tokens, np.ndarray) and tokens.dtype == np.int64:
+        return tokens
+    return np.asarray(tokens, dtype=np.int64)
+
+
+def _same(a: Tokens, b: Tokens) -> bool:
+    return len(a) == len(b) and bool((a == b).all())
 
 
 def _require(cond: bool, message: str) -> None:
