@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ("LagSummary", "LoopLagProbe")
+__all__ = ("GcPauses", "LagSummary", "LoopLagProbe")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,3 +114,40 @@ class LoopLagProbe:
         p50, p99 = np.percentile(ms, [50, 99])
         return LagSummary(samples=len(ms), p50_ms=float(p50), p99_ms=float(p99),
                           max_ms=float(ms.max()))
+
+
+class GcPauses:
+    """Records how long each garbage collection takes while the ``with`` block runs.
+
+    Collections run on whichever thread allocates, and stop every thread that needs the GIL:
+    a long one shows up as loop lag, and this tells it apart from other causes.
+    """
+
+    __slots__ = ("_pauses", "_start")
+
+    def __init__(self) -> None:
+        self._pauses: list[float] = []  # seconds
+        self._start: float | None = None
+
+    def __enter__(self) -> Self:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None,
+                 exc: BaseException | None, tb: TracebackType | None) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self._pauses.append(time.perf_counter() - self._start)
+            self._start = None
+
+    @property
+    def count(self) -> int:
+        return len(self._pauses)
+
+    @property
+    def max_ms(self) -> float:
+        return max(self._pauses, default=0.0) * 1e3

@@ -197,7 +197,7 @@ class HiCache:
         Returns an async context manager; entering it does the match and returns the
         `FetchContext`, leaving it unpins (also on error or cancellation).
         """
-        return FetchContext(self, _as_tokens(tokens))
+        return FetchContext(self, _as_tokens(tokens), source=tokens)
 
     async def allocate(self, num_tokens: int) -> torch.Tensor:
         """Lease device slots for `num_tokens` new tokens (whole pages), evicting as needed.
@@ -383,9 +383,10 @@ class FetchContext:
         device_indices: device token slots (int64 tensor) of that prefix, for attention.
     """
 
-    def __init__(self, cache: HiCache, tokens: Tokens) -> None:
+    def __init__(self, cache: HiCache, tokens: Tokens, *, source: object = None) -> None:
         self._cache = cache
         self.tokens = tokens
+        self._source = source  # what the caller passed: commit(same object) skips conversion
         self.num_cached_tokens = 0
         self.num_device_hit_tokens = 0
         self.num_host_hit_tokens = 0
@@ -540,10 +541,14 @@ class FetchContext:
         self._check_active()
         cache = self._cache
         ctl = cache._check_open()
-        toks = _as_tokens(tokens)
-        pages = self._check_commit(toks, slots)
+        toks = self.tokens if tokens is self._source else _as_tokens(tokens)
         ps = cache.config.page_size
         num_full = len(toks) // ps
+        if isinstance(slots, torch.Tensor) and len(slots) == 0 and num_full == len(
+                self._pages) and self._tail is None:
+            self._check_commit(toks, slots)  # nothing new: the prefix is in the tree already
+            return
+        pages = self._check_commit(toks, slots)
         new_full = num_full - len(self._pages)
         cache._release_leases(pages[:new_full], free=False)
         self._forget_leases(pages)

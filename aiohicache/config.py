@@ -138,7 +138,7 @@ class KVSpec:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def row_bytes(self) -> int:

@@ -145,11 +145,13 @@ class Controller:
 
     @property
     def pending_loads(self) -> int:
-        return len(self._loads)
+        """Load jobs planned and not yet settled (queued or in flight)."""
+        return sum(isinstance(j, LoadJob) for j in self._unsettled.values())
 
     @property
     def pending_writes(self) -> int:
-        return len(self._writes)
+        """Write jobs planned and not yet settled (queued or in flight)."""
+        return sum(isinstance(j, WriteJob) for j in self._unsettled.values())
 
     @property
     def idle(self) -> bool:
@@ -206,16 +208,17 @@ class Controller:
         """Start write-through for nodes on the path to `last` that reached the hit threshold."""
         if self.config.write_policy == "write_back" or last is None:
             return None
-        job = WriteJob()
+        job: WriteJob | None = None
         threshold = self.config.hit_threshold
         for node in reversed(last.path_to_root()):
             if node.on_host:
                 continue
             if node.device_state is not DeviceState.RESIDENT or node.hit_count < threshold:
                 break
+            job = job or WriteJob()
             if not self.tree.begin_write(node, job):
                 break
-        if not job.nodes:
+        if job is None or not job.nodes:
             return None
         job.seal()
         return job
@@ -270,10 +273,13 @@ class Controller:
             launch([job])
 
     async def alloc_device_wait(self, num_pages: int) -> PageIds:
-        """Like `alloc_device`, but waits for staged write-backs to free pages.
+        """Like `alloc_device`, but waits while copies in flight may free pages.
+
+        Nodes being written are not evictable and staged write-backs free their pages when
+        they settle, so a shortage is only final once no copy is pending.
 
         Raises:
-            CapacityError: the pool cannot free `num_pages` even after pending write-backs.
+            CapacityError: the pool cannot free `num_pages` and no copy is pending.
 
         Cancellation: nothing is allocated; staged write-backs continue.
         """
@@ -284,7 +290,7 @@ class Controller:
             pages = self.alloc_device(num_pages)
             if pages is not None:
                 return pages
-            if self.demoting_pages == 0:
+            if self.demoting_pages == 0 and self.idle:
                 raise CapacityError(
                     f"cannot allocate {num_pages} device pages: {self.tree.device_alloc.num_free}"
                     " free and the rest pinned or in flight")

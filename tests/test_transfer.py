@@ -10,7 +10,7 @@ import torch
 
 from aiohicache import CpuTransferEngine, KVSpec, TransferError, TransferHandle
 from aiohicache.memory import DevicePool, HostPool
-from aiohicache.transfer._copy import CopyPlan, Scratch, copy_pages
+from aiohicache.transfer._copy import CopyPlan, copy_pages
 
 SPECS = {
     "mha-bf16": KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=16, dtype="bf16"),
@@ -81,15 +81,25 @@ def test_copy_plan_coalesces_contiguous_runs_only() -> None:
     assert scattered.runs is None
 
 
-def test_gather_scatter_path_matches_index_copy_reference() -> None:
-    src = torch.randn(50, 4, 8)
-    dst = torch.zeros(40, 4, 8)
+@pytest.mark.parametrize(("num_src", "num_dst", "n"), [
+    (50, 40, 30),   # scattered destinations: row assignment
+    (50, 40, 40),   # every destination once, shuffled: gathers into destination runs
+    (50, 400, 40),  # sparse destinations
+])
+def test_scattered_copies_match_an_index_reference(num_src: int, num_dst: int, n: int) -> None:
+    src = torch.randn(num_src, 4, 8)
+    dst = torch.zeros(num_dst, 4, 8)
     rng = np.random.default_rng(0)
-    s, d = rng.permutation(50)[:30], rng.permutation(40)[:30]
-    copy_pages(src, dst, CopyPlan.build(s, d), Scratch())
-    ref = torch.zeros(40, 4, 8)
+    s, d = rng.permutation(num_src)[:n], rng.permutation(num_dst)[:n]
+    copy_pages(src, dst, CopyPlan.build(s, d))
+    ref = torch.zeros(num_dst, 4, 8)
     ref[torch.from_numpy(d)] = src[torch.from_numpy(s)]
     assert torch.equal(dst, ref)
+
+
+def test_shuffled_full_destination_uses_destination_runs() -> None:
+    plan = CopyPlan.build(np.random.default_rng(1).permutation(16), np.arange(16))
+    assert plan.runs is None and plan.dst_runs == [(0, 0, 16)]
 
 
 async def test_handle_failure_raises_transfer_error_to_every_waiter() -> None:

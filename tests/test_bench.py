@@ -1,0 +1,145 @@
+"""Smoke tests of the CLI (``bench core --quick``, ``demo``) and of the loop-lag probe.
+
+They check that things run and report; they never assert on timings, except that a stall
+we cause on purpose is seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import time
+from collections.abc import Iterator
+
+import anyio
+import pytest
+import torch
+from click.testing import CliRunner
+
+from aiohicache import ConfigError
+from aiohicache._lagprobe import GcPauses, LoopLagProbe
+from aiohicache.cli import cli
+
+SECTIONS = ("1. CPU page copy", "2. Event-loop lag", "3. fetch -> commit overhead")
+
+
+@pytest.fixture
+def keep_torch_threads() -> Iterator[None]:
+    """`--torch-threads` sets a process-wide torch setting: put it back for later tests."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("keep_torch_threads")
+def test_bench_core_quick_prints_every_section() -> None:
+    result = CliRunner().invoke(cli, ["bench", "core", "--quick", "--torch-threads", "1"])
+    assert result.exit_code == 0, result.output
+    for header in ("bench core (quick)", "torch", *SECTIONS):
+        assert header in result.output
+    assert "page_first" in result.output and "layer_first" in result.output
+
+
+@pytest.mark.usefixtures("keep_torch_threads")
+def test_bench_core_quick_json() -> None:
+    result = CliRunner().invoke(cli, ["bench", "core", "--quick", "--json", "--torch-threads",
+                                      "1"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["machine"]["torch_threads"] == 1
+    assert len(report["copy"]) == 3 * 2 * 2 * 2  # page sizes x layouts x patterns x directions
+    assert {r["pattern"] for r in report["copy"]} == {"contiguous", "random"}
+    assert report["loop"]["lag"]["samples"] > 0 and report["loop"]["requests"] > 0
+    assert report["loop"]["loaded_bytes"] > 0 and report["loop"]["written_bytes"] > 0
+    assert {r["tokens_as"] for r in report["hits"]} == {"list", "ndarray"}
+
+
+@pytest.mark.usefixtures("keep_torch_threads")
+def test_bench_core_on_uvloop() -> None:
+    result = CliRunner().invoke(cli, ["bench", "core", "--quick", "--json", "--loop", "uvloop",
+                                      "--torch-threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert "uvloop" in json.loads(result.output)["machine"]["loop"]
+
+
+def test_demo_walks_through_every_step() -> None:
+    result = CliRunner().invoke(cli, ["demo"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    for step in ("1. prompt A", "2. prompt A again", "3. prompts B and C",
+                 "4. prompt A once more", "5. stats()"):
+        assert step in out
+    assert "12 L1 + 0 L2 cached" in out  # the device hit
+    assert "0 L1 + 12 L2 cached" in out  # the load-back
+    assert "identical to what was computed" in out and "DIFFERENT" not in out
+    assert "health                 ok" in out
+
+
+def test_help_lists_the_commands() -> None:
+    result = CliRunner().invoke(cli, ["--help"])
+    assert result.exit_code == 0
+    assert "bench" in result.output and "demo" in result.output
+
+
+# ---------------------------------------------------------------------- LoopLagProbe
+
+
+async def test_probe_records_samples() -> None:
+    async with LoopLagProbe(interval=0.001) as probe:
+        assert probe.running
+        await asyncio.sleep(0.05)
+    assert not probe.running
+    summary = probe.summary()
+    assert summary.samples == probe.num_samples >= 5
+    assert 0.0 <= summary.p50_ms <= summary.p99_ms <= summary.max_ms
+
+
+async def test_probe_sees_a_blocked_loop() -> None:
+    async with LoopLagProbe() as probe:
+        await asyncio.sleep(0.005)
+        time.sleep(0.05)  # noqa: ASYNC251 -- blocking the loop on purpose
+        await asyncio.sleep(0.005)
+    assert probe.summary().max_ms >= 40
+
+
+async def test_probe_counts_a_stall_at_the_very_end() -> None:
+    async with LoopLagProbe() as probe:
+        await asyncio.sleep(0.005)
+        time.sleep(0.05)  # noqa: ASYNC251 -- the probe never gets to wake before the exit
+    assert probe.summary().max_ms >= 40
+
+
+async def test_probe_without_samples_summarises_to_zeros() -> None:
+    probe = LoopLagProbe(interval=10)
+    async with probe:
+        pass
+    assert probe.summary().samples == 0 and probe.summary().max_ms == 0.0
+
+
+async def test_probe_stops_when_the_block_is_cancelled() -> None:
+    with anyio.move_on_after(0.02) as scope:
+        async with LoopLagProbe() as probe:
+            await asyncio.sleep(10)
+    assert scope.cancelled_caught
+    assert not probe.running and probe.num_samples > 0
+    assert not [t for t in asyncio.all_tasks() if t.get_name() == "aiohicache-lag-probe"]
+
+
+async def test_probe_cannot_run_twice_at_once() -> None:
+    async with LoopLagProbe() as probe:
+        with pytest.raises(RuntimeError, match="already running"):
+            await probe.__aenter__()
+
+
+@pytest.mark.parametrize("interval", [0, -1, float("nan"), float("inf"), True, "1ms"])
+def test_probe_rejects_a_bad_interval(interval: object) -> None:
+    with pytest.raises(ConfigError, match="interval"):
+        LoopLagProbe(interval=interval)  # type: ignore[arg-type]
+
+
+def test_gc_pauses_records_collections() -> None:
+    with GcPauses() as pauses:
+        gc.collect()
+    assert pauses.count >= 1 and pauses.max_ms > 0
+    assert pauses._callback not in gc.callbacks
