@@ -27,6 +27,7 @@ from .config import HiCacheConfig
 from .controller import Controller, LoadJob
 from .errors import ClosedError, ConfigError, InvariantError, PageError
 from .memory import DevicePool, HostPool, PageIds
+from .memory._allocator import has_repeats
 from .radix import DeviceState, Match, Node, RadixTree
 from .radix._tree import Tokens
 from .transfer import CpuTransferEngine, TransferEngine
@@ -239,7 +240,7 @@ class HiCache:
     def _release_leases(self, pages: PageIds, *, free: bool) -> None:
         if len(pages) == 0:
             return
-        if len(np.unique(pages)) != len(pages) or not self._leased[pages].all():
+        if not self._leased[pages].all() or (len(pages) > 1 and has_repeats(pages)):
             raise PageError("slots: pages not leased by allocate() (double free or foreign)")
         self._leased[pages] = 0
         self._num_leased -= len(pages)
@@ -504,7 +505,7 @@ class FetchContext:
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ConfigError(f"num_tokens: must be a positive int, got {num_tokens!r}")
         ps = self._cache.config.page_size
-        head = torch.empty(0, dtype=torch.int64)
+        head = None
         if self._tail is not None:
             page, used = self._tail
             take = min(num_tokens, ps - used)
@@ -517,7 +518,7 @@ class FetchContext:
         self._leases.append(self._cache.device_pool.slots_to_pages(slots))
         if num_tokens % ps:
             self._tail = (int(slots[-1]) // ps, num_tokens % ps)
-        return torch.cat([head.to(slots.device), slots])
+        return slots if head is None else torch.cat([head.to(slots.device), slots])
 
     async def commit(self, tokens: TokenInput, slots: torch.Tensor) -> None:
         """Insert `tokens` into the cache, with the KV of ``tokens[num_cached_tokens:]`` at `slots`.
@@ -551,14 +552,19 @@ class FetchContext:
         pages = self._check_commit(toks, slots)
         new_full = num_full - len(self._pages)
         cache._release_leases(pages[:new_full], free=False)
-        self._forget_leases(pages)
+        self._leases = [kept for p in self._leases
+                        if len(kept := p[cache._leased[p] == self._owner])]
         all_pages = np.concatenate([self._pages, pages[:new_full]])
         res = cache.tree.insert(toks[:num_full * ps], all_pages, start_page=len(self._pages))
         for dup in res.duplicate_pages:
             cache.device_pool.allocator.free(dup)
         self._tail = None
-        if len(pages) > new_full:
-            self._leases.append(pages[new_full:])
+        if len(pages) > new_full:  # the partial tail page stays leased, now to this context
+            tail = pages[new_full:]
+            adopted = tail[cache._leased[tail] != self._owner]
+            cache._leased[adopted] = self._owner
+            if len(adopted):
+                self._leases.append(adopted)
             self._tail = (int(pages[new_full]), len(toks) % ps)
         cache._repin(self._pin_key, res.last_node)
         if len(toks) > len(self.tokens):
@@ -584,11 +590,6 @@ class FetchContext:
         if len(pages) and not (self._cache._leased[pages] != 0).all():
             raise PageError("slots: not leased by allocate() (already committed or freed?)")
         return pages
-
-    def _forget_leases(self, pages: PageIds) -> None:
-        taken = set(pages.tolist())
-        self._leases = [kept for p in self._leases
-                        if len(kept := p[~np.isin(p, list(taken))])]
 
     def _check_active(self) -> None:
         if self._pin is None:

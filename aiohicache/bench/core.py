@@ -28,7 +28,7 @@ from ..config import HiCacheConfig, KVSpec
 from ..errors import CapacityError
 from ..memory import DevicePool, HostPool, PageIds
 from ..transfer._copy import CopyPlan
-from ..transfer.cpu import copy_layer
+from ..transfer.cpu import copy_layer, word_views
 
 __all__ = ("FULL", "QUICK", "CopyRow", "CoreReport", "CoreSizes", "HitOverhead", "LagResult",
            "format_report", "run_core")
@@ -135,13 +135,14 @@ def _copy_case(device: DevicePool, host: HostPool, direction: Direction, pattern
     to_device = direction == "H2D"
     plan = CopyPlan.build(host_ids, device_ids) if to_device \
         else CopyPlan.build(device_ids, host_ids)
+    device_words, host_words = word_views(device), word_views(host)
     src, dst = device.data.view(-1), host.data.view(-1)
     if to_device:
         src, dst = dst, src
 
     def pages() -> None:
         for layer in range(device.spec.num_layers):
-            copy_layer(device, host, plan, layer, to_device=to_device)
+            copy_layer(device_words, host_words, plan, layer, to_device=to_device)
 
     def contiguous() -> None:
         dst.copy_(src)

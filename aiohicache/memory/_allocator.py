@@ -72,7 +72,7 @@ class PageAllocator:
         if len(ids) == 0:
             return
         self.check_allocated(ids)
-        if len(ids) > 1 and _has_repeats(ids):
+        if len(ids) > 1 and has_repeats(ids):
             raise PageError(f"{self._name}: page ids listed twice in one free")
         self._used[ids] = False
         self._free[self._top:self._top + len(ids)] = ids[::-1]
@@ -102,6 +102,6 @@ class PageAllocator:
         return self._free[:self._top].copy()
 
 
-def _has_repeats(ids: PageIds) -> bool:
+def has_repeats(ids: PageIds) -> bool:
     ordered = np.sort(ids)  # cheap: ids usually arrive sorted
     return bool((ordered[1:] == ordered[:-1]).any())

@@ -100,21 +100,21 @@ class DevicePool(_PagePool):
         if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (
                 torch.int64, torch.int32):
             raise ConfigError("slots: must be a 1-D int64/int32 tensor of token slots")
-        arr = slots.detach().cpu().numpy().astype(np.int64, copy=False)
-        ps = self.page_size
-        if len(arr) and (arr.min() < 0 or arr.max() >= self.num_slots):
+        arr = slots.numpy() if slots.device.type == "cpu" else slots.cpu().numpy()
+        if len(arr) == 0:
+            return np.empty(0, dtype=np.int64)
+        arr = arr.astype(np.int64, copy=False)
+        ps, n = self.page_size, len(arr)
+        heads = arr[::ps]
+        if heads.min() < 0 or arr.max() >= self.num_slots:
             raise ConfigError(f"slots: outside the device pool's {self.num_slots} slots")
-        num_pages = -(-len(arr) // ps)
-        padded = np.full(num_pages * ps, -1, dtype=np.int64)
-        padded[:len(arr)] = arr
-        rows = padded.reshape(num_pages, ps)
-        pages = rows[:, 0] // ps
-        expected = pages[:, None] * ps + np.arange(ps)
-        valid = rows >= 0
-        if not np.array_equal(rows[valid], expected[valid]) or (
-                len(arr) and arr[0] % ps != 0):
+        full = n // ps
+        rows = arr[:full * ps].reshape(full, ps)
+        tail = arr[full * ps:]
+        if (heads % ps).any() or not (rows == rows[:, :1] + np.arange(ps)).all() or (
+                len(tail) and not (tail == tail[0] + np.arange(len(tail))).all()):
             raise ConfigError("slots: must cover whole pages in order, as allocate() returns them")
-        return pages.astype(np.int64)
+        return heads // ps
 
 
 class HostPool(_PagePool):

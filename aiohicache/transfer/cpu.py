@@ -19,7 +19,7 @@ from ..memory import DevicePool, HostPool, PageIds
 from ._copy import CopyPlan, as_words, copy_pages
 from .base import TransferHandle
 
-__all__ = ("CpuTransferEngine", "copy_layer")
+__all__ = ("CpuTransferEngine", "copy_layer", "word_views")
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,10 @@ class CpuTransferEngine:
     def __init__(self, device_pool: DevicePool, host_pool: HostPool) -> None:
         self.device_pool = device_pool
         self.host_pool = host_pool
+        # Views are built once: per-copy Python work on the copy threads holds the GIL
+        # that the event loop needs.
+        self._device_words = word_views(device_pool)
+        self._host_words = word_views(host_pool)
         self._load = _Stream("aiohicache-load")
         self._write = _Stream("aiohicache-write")
         self._closed = False
@@ -61,18 +65,18 @@ class CpuTransferEngine:
         handle = TransferHandle(num_layers=spec.num_layers,
                                 nbytes=len(src) * self.device_pool.page_size
                                 * spec.bytes_per_token)
-        plan = CopyPlan.build(src, dst)
         loop = asyncio.get_running_loop()
-        stream.executor.submit(self._run, stream, plan, handle, loop, to_device)
+        stream.executor.submit(self._run, src.copy(), dst.copy(), handle, loop, to_device)
         return handle
 
-    def _run(self, stream: _Stream, plan: CopyPlan, handle: TransferHandle,
+    def _run(self, src: PageIds, dst: PageIds, handle: TransferHandle,
              loop: asyncio.AbstractEventLoop, to_device: bool) -> None:
-        """Worker thread: copy layer by layer, reporting each layer to the loop."""
-        dev, host = self.device_pool, self.host_pool
+        """Worker thread: plan, then copy layer by layer, reporting each layer to the loop."""
         try:
-            for layer in range(dev.spec.num_layers):
-                copy_layer(dev, host, plan, layer, to_device=to_device)
+            plan = CopyPlan.build(src, dst)
+            for layer in range(self.device_pool.spec.num_layers):
+                copy_layer(self._device_words, self._host_words, plan, layer,
+                           to_device=to_device)
                 if to_device:
                     _call_soon(loop, handle._layer_done, layer)
         except Exception as exc:  # reported through the handle, never lost
@@ -93,14 +97,23 @@ class CpuTransferEngine:
             await anyio.to_thread.run_sync(stream.executor.shutdown, abandon_on_cancel=False)
 
 
-def copy_layer(device: DevicePool, host: HostPool, plan: CopyPlan, layer: int, *,
+WordViews = list[list[torch.Tensor]]
+
+
+def word_views(pool: DevicePool | HostPool) -> WordViews:
+    """Per layer, per K/V tensor: the pool's pages as integer words (see `as_words`)."""
+    return [[as_words(pool.layer_view(kv, layer)) for kv in range(pool.spec.num_kv)]
+            for layer in range(pool.spec.num_layers)]
+
+
+def copy_layer(device: WordViews, host: WordViews, plan: CopyPlan, layer: int, *,
                to_device: bool) -> None:
     """Copy one layer's pages (K and V, or the MLA latent) between the pools; blocking."""
-    for kv in range(device.spec.num_kv):
-        src, dst = as_words(host.layer_view(kv, layer)), as_words(device.layer_view(kv, layer))
-        if not to_device:
-            src, dst = dst, src
-        copy_pages(src, dst, plan)
+    for dev, hst in zip(device[layer], host[layer], strict=True):
+        if to_device:
+            copy_pages(hst, dev, plan)
+        else:
+            copy_pages(dev, hst, plan)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:
