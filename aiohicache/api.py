@@ -23,6 +23,7 @@ import anyio
 import numpy as np
 import torch
 
+from ._concurrency import finish_then_cancel
 from .config import HiCacheConfig
 from .controller import Controller, LoadJob
 from .errors import ClosedError, ConfigError, InvariantError, PageError
@@ -114,6 +115,7 @@ class HiCache:
         self._pin_ids = itertools.count()
         self._counters = _Counters()
         self._state: Literal["new", "open", "closing", "closed"] = "new"
+        self._closer: asyncio.Future[None] | None = None
 
     def __repr__(self) -> str:
         return (f"<HiCache {self._state} device={self.device_pool.allocator.num_used}/"
@@ -129,8 +131,12 @@ class HiCache:
         self._controller = Controller(self.config, self.tree, engine)
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._runner = asyncio.create_task(self._run(started), name="aiohicache-workers")
-        await started
         self._state = "open"
+        try:
+            await asyncio.shield(started)
+        except BaseException:
+            await self.aclose()  # cancelled while starting: leave nothing running
+            raise
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
@@ -147,29 +153,36 @@ class HiCache:
         assert self._controller is not None
         async with anyio.create_task_group() as tg:
             await tg.start(self._controller.run)
-            started.set_result(None)
+            if not started.done():
+                started.set_result(None)
 
     async def aclose(self) -> None:
         """Stop accepting work, let queued and in-flight copies settle, stop the workers.
 
-        Idempotent. Open fetch contexts may still exit afterwards (they only unpin).
+        Idempotent; concurrent calls wait for the same close. Open fetch contexts may still
+        exit afterwards (they only unpin).
 
-        Cancellation: shielded; the cache always ends closed.
+        Cancellation: the close runs to the end first, then the cancellation propagates.
         """
-        if self._state in ("closing", "closed", "new"):
-            self._state = "closed" if self._state == "new" else self._state
+        if self._state == "new":
+            self._state = "closed"
+        if self._state == "closed" and self._closer is None:
             return
-        self._state = "closing"
-        with anyio.CancelScope(shield=True):
-            ctl = self.controller
-            await ctl.close_channels()
-            with anyio.move_on_after(60):
-                await ctl.drain()
-            assert self._runner is not None
-            self._runner.cancel()
-            await asyncio.gather(self._runner, return_exceptions=True)
-            await ctl.close_receivers()
-            await ctl.engine.aclose()
+        if self._closer is None:
+            self._state = "closing"
+            self._closer = asyncio.ensure_future(self._close())
+        await finish_then_cancel(self._closer)
+
+    async def _close(self) -> None:
+        ctl = self.controller
+        await ctl.close_channels()
+        with anyio.move_on_after(60):
+            await ctl.drain()
+        assert self._runner is not None
+        self._runner.cancel()
+        await asyncio.gather(self._runner, return_exceptions=True)
+        await ctl.close_receivers()
+        await ctl.engine.aclose()
         self._state = "closed"
 
     def __del__(self, _warn: object = warnings.warn) -> None:
@@ -510,14 +523,14 @@ class FetchContext:
             page, used = self._tail
             take = min(num_tokens, ps - used)
             head = torch.arange(page * ps + used, page * ps + used + take, dtype=torch.int64)
-            self._tail = (page, used + take) if used + take < ps else None
             num_tokens -= take
             if num_tokens == 0:
+                self._tail = (page, used + take) if used + take < ps else None
                 return head.to(self._cache.device_pool.device)
+        # NOTE: `_tail` changes only after the await: a cancelled allocate leaves it as it was.
         slots = await self._cache._allocate(num_tokens, owner=self._owner)
         self._leases.append(self._cache.device_pool.slots_to_pages(slots))
-        if num_tokens % ps:
-            self._tail = (int(slots[-1]) // ps, num_tokens % ps)
+        self._tail = (int(slots[-1]) // ps, num_tokens % ps) if num_tokens % ps else None
         return slots if head is None else torch.cat([head.to(slots.device), slots])
 
     async def commit(self, tokens: TokenInput, slots: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ import anyio
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from ._concurrency import finish_then_cancel
 from .config import HiCacheConfig
 from .errors import CapacityError, WorkerError
 from .memory import PageIds
@@ -264,8 +265,7 @@ class Controller:
         self._queued += 1
         self._unsettled[id(job)] = job
         try:
-            with anyio.CancelScope(shield=True):
-                await send(job)
+            await finish_then_cancel(send(job))
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             # Closing: nobody will launch it, so launch it here; aclose() drains it.
             self._queued -= 1

@@ -1,0 +1,421 @@
+"""Model-based, stateful tests: random operation sequences against a real, small `HiCache`.
+
+A `RuleBasedStateMachine` drives fetch / allocate / commit / free / drain / eviction on a CPU
+cache with a handful of device and host pages, so eviction, demotion, load-back, write-through
+and write-back all happen within a few steps. Token sequences come from a few shared prefixes,
+so they overlap heavily and nodes split and merge all the time.
+
+After every step the cache's own invariants must hold, and a model checks correctness: KV in
+the device pool only ever comes from `fill_kv`, which derives it from token ids, so any prefix
+the cache reports as cached must hold exactly `fill_kv`'s values for those tokens (bit-exact),
+and it must be a prefix some request committed. The cache may forget; it must never return
+wrong KV, and never report a hit for tokens nobody computed.
+
+Rules are synchronous, so each machine owns a fresh event loop (asyncio or uvloop) and runs
+every coroutine to completion on it; background workers and copy threads make progress
+between and during steps, so loads and writes are routinely still in flight when the next
+rule runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import torch
+import uvloop
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from aiohicache import CapacityError, FetchContext, HiCache, HiCacheConfig, KVSpec
+from tests.conftest import fill_kv, make_config, read_kv
+
+T = TypeVar("T")
+
+# Token ids stay below 100: fill_kv's values (t/2 + 7*layer + 3*kv) are then exact and
+# distinct per token in bf16, so a page holding another token's KV can never compare equal.
+PREFIXES: tuple[tuple[int, ...], ...] = (
+    tuple(range(1, 13)),
+    (*range(1, 7), *range(20, 26)),       # shares 6 tokens with the first
+    (*range(1, 3), *range(30, 40)),       # shares 2 tokens (mid-page for page_size 4)
+    tuple(range(50, 62)),
+)
+SUFFIX_TOKENS = st.integers(min_value=70, max_value=75)  # few values: suffixes collide too
+POISON_TOKEN = 99
+"""Leased slots are filled with this token's KV: if the cache ever hands out a page it still
+serves as cached KV, the model check sees the poison."""
+
+CHOICE = st.integers(min_value=0, max_value=2**16)
+"""Picks among things that exist only at run time (modulo their number): drawing it never
+depends on the machine's state, which copy timing may change between runs of one example."""
+
+sequences = st.tuples(
+    st.sampled_from(PREFIXES), st.integers(min_value=0, max_value=12),
+    st.lists(SUFFIX_TOKENS, max_size=6),
+).map(lambda p: (*p[0][:p[1]], *p[2])).filter(len)
+"""Token sequences: a cut of a shared prefix plus a short suffix."""
+
+_reference: dict[tuple[KVSpec, int], HiCache] = {}
+
+
+def expected_kv(config: HiCacheConfig, tokens: tuple[int, ...]) -> torch.Tensor:
+    """What `read_kv` must return for the cached slots of `tokens`: `fill_kv`'s encoding,
+    produced in the pool of an unopened scratch cache of the same layout."""
+    key = (config.spec, config.page_size)
+    ref = _reference.get(key)
+    if ref is None:
+        ref = _reference[key] = HiCache(make_config(
+            spec=config.spec, page_size=config.page_size, device_pages=64, host_pages=1))
+    slots = torch.arange(len(tokens), dtype=torch.int64)
+    fill_kv(ref, slots, list(tokens))
+    return read_kv(ref, slots)
+
+
+@dataclass
+class OpenRequest:
+    """A fetch context kept open across steps, like a request still decoding."""
+
+    ctx: FetchContext
+    tokens: tuple[int, ...]
+    tail: torch.Tensor
+    """Leased slots of the trailing partial page left by the last commit (may be empty)."""
+
+
+class HiCacheMachine(RuleBasedStateMachine):
+    """Random request traffic against one small cache; see the module docstring."""
+
+    WRITE_POLICY: ClassVar[str] = "write_through"
+    HOST_LAYOUT: ClassVar[str] = "page_first"
+    LOOP_FACTORY: ClassVar[Callable[[], asyncio.AbstractEventLoop]] = asyncio.new_event_loop
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = type(self).LOOP_FACTORY()
+        self.cache: HiCache | None = None
+        self.leases: list[torch.Tensor] = []
+        self.open: list[OpenRequest] = []
+        self.known: set[tuple[int, ...]] = set()
+        """Every page-aligned prefix of every committed sequence."""
+
+    # ---------------------------------------------------------------- plumbing
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.loop.run_until_complete(coro)
+
+    @property
+    def c(self) -> HiCache:
+        assert self.cache is not None
+        return self.cache
+
+    @property
+    def ps(self) -> int:
+        return self.c.config.page_size
+
+    def remember(self, tokens: tuple[int, ...]) -> None:
+        ps = self.ps
+        for k in range(ps, len(tokens) + 1, ps):
+            self.known.add(tokens[:k])
+
+    def check_hit(self, ctx: FetchContext, tokens: tuple[int, ...]) -> None:
+        """The cached prefix was committed by someone and holds exactly its KV."""
+        n = ctx.num_cached_tokens
+        assert n % self.ps == 0 and 0 <= n <= len(tokens), f"bad num_cached_tokens {n}"
+        assert len(ctx.device_indices) >= n
+        if n == 0:
+            return
+        assert tokens[:n] in self.known, f"hit on {tokens[:n]} that nobody committed"
+        got = read_kv(self.c, ctx.device_indices[:n])
+        want = expected_kv(self.c.config, tokens[:n])
+        assert torch.equal(got, want), f"wrong KV served for {tokens[:n]}"
+
+    async def lease(self, num_tokens: int) -> torch.Tensor | None:
+        try:
+            slots = await self.c.allocate(num_tokens)
+        except CapacityError:
+            return None
+        fill_kv(self.c, slots, [POISON_TOKEN] * len(slots))
+        return slots
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @initialize(page_size=st.sampled_from([2, 4]), device_pages=st.integers(8, 12),
+                host_pages=st.integers(16, 24), eviction=st.sampled_from(["lru", "lfu"]))
+    def open_cache(self, page_size: int, device_pages: int, host_pages: int,
+                   eviction: str) -> None:
+        config = make_config(page_size=page_size, device_pages=device_pages,
+                             host_pages=host_pages, eviction=eviction,
+                             write_policy=self.WRITE_POLICY, host_layout=self.HOST_LAYOUT)
+        self.cache = HiCache(config)
+        self.run(self.cache.__aenter__())
+
+    def teardown(self) -> None:
+        try:
+            if self.cache is not None:
+                self.run(self._close())
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    async def _close(self) -> None:
+        cache = self.c
+        try:
+            for req in self.open:
+                await req.ctx.__aexit__(None, None, None)
+            self.open.clear()
+            for slots in self.leases:
+                cache.free(slots)
+            self.leases.clear()
+            async with asyncio.timeout(10):
+                await cache.drain()  # (a lost transfer would hang here)
+            cache.check_invariants()
+            stats = cache.stats()
+            assert stats.device_pages_leased == 0
+            assert stats.pending_loads == stats.pending_writes == 0
+        finally:
+            await cache.aclose()
+
+    # ---------------------------------------------------------------- rules
+
+    @rule(tokens=sequences)
+    def prefill(self, tokens: tuple[int, ...]) -> None:
+        """Fetch, compute what is missing, commit: then the whole prefix is a hit."""
+        self.run(self._prefill(tokens, alone=True))
+
+    async def _prefill(self, tokens: tuple[int, ...], *, alone: bool = False) -> None:
+        committed = False
+        async with self.c.fetch(tokens) as hit:
+            await hit.ready()
+            self.check_hit(hit, tokens)
+            cached = hit.num_cached_tokens
+            if cached < len(tokens):
+                try:
+                    slots = await hit.allocate(len(tokens) - cached)
+                except CapacityError:
+                    return
+                fill_kv(self.c, slots, list(tokens[cached:]))
+                self.remember(tokens)
+                await hit.commit(tokens, slots)
+                committed = True
+                assert hit.num_cached_tokens == len(tokens) // self.ps * self.ps
+            self.check_hit(hit, tokens)
+        if committed and alone:  # (concurrent requests may evict it meanwhile)
+            async with self.c.fetch(tokens) as again:
+                assert again.num_cached_tokens == len(tokens) // self.ps * self.ps, \
+                    "a prefix committed just now is not found by the next fetch"
+                await again.ready()
+                self.check_hit(again, tokens)
+
+    @rule(tokens=sequences, wait=st.booleans())
+    def fetch_only(self, tokens: tuple[int, ...], wait: bool) -> None:
+        """Fetch and leave without committing, with or without waiting for the load-back."""
+        self.run(self._fetch_only(tokens, wait))
+
+    async def _fetch_only(self, tokens: tuple[int, ...], wait: bool) -> None:
+        async with self.c.fetch(tokens) as hit:
+            if wait:
+                await hit.ready()
+                self.check_hit(hit, tokens)
+
+    @rule(batch=st.lists(st.tuples(st.sampled_from(["prefill", "partial", "fetch"]), sequences,
+                                   st.booleans(), CHOICE), min_size=2, max_size=4))
+    def concurrent_requests(self, batch: list[tuple[str, tuple[int, ...], bool, int]]) -> None:
+        """Several requests at once: their fetches, loads, evictions and commits interleave."""
+        async def one(kind: str, tokens: tuple[int, ...], flag: bool, cut: int) -> None:
+            if kind == "prefill":
+                await self._prefill(tokens)
+            elif kind == "partial" and len(tokens) >= 3:
+                await self._partial_commits(tokens, flag, cut)
+            else:
+                await self._fetch_only(tokens, flag)
+
+        async def go() -> None:  # no TaskGroup: a failure must not cancel the others
+            results = await asyncio.gather(*(one(*op) for op in batch), return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+        self.run(go())
+
+    @rule(tokens=sequences.filter(lambda t: len(t) >= 3), upfront=st.booleans(), cut=CHOICE)
+    def partial_commits(self, tokens: tuple[int, ...], upfront: bool, cut: int) -> None:
+        """Commit a prefix that ends mid-page, then the whole sequence in the same context.
+
+        With `upfront`, all slots are allocated first (chunked prefill); otherwise the rest is
+        allocated after the first commit, continuing its partial page (decode).
+        """
+        self.run(self._partial_commits(tokens, upfront, cut))
+
+    async def _partial_commits(self, tokens: tuple[int, ...], upfront: bool, cut: int) -> None:
+        ps = self.ps
+        async with self.c.fetch(tokens) as hit:
+            await hit.ready()
+            self.check_hit(hit, tokens)
+            cached = hit.num_cached_tokens
+            if len(tokens) - cached < 2:
+                return
+            mid = cached + 1 + cut % (len(tokens) - cached - 1)  # ends anywhere, mid-page too
+            try:
+                slots = await hit.allocate((len(tokens) if upfront else mid) - cached)
+            except CapacityError:
+                return
+            fill_kv(self.c, slots[:mid - cached], list(tokens[cached:mid]))
+            self.remember(tokens[:mid])
+            await hit.commit(tokens[:mid], slots[:mid - cached])
+            first = hit.num_cached_tokens
+            assert first == mid // ps * ps
+            self.check_hit(hit, tokens)
+            if upfront:
+                rest = slots[mid - cached:]
+            else:
+                try:
+                    rest = await hit.allocate(len(tokens) - mid)
+                except CapacityError:
+                    return
+            fill_kv(self.c, rest, list(tokens[mid:]))  # "decode" the rest
+            self.remember(tokens)
+            await hit.commit(tokens, torch.cat([slots[first - cached:mid - cached], rest]))
+            assert hit.num_cached_tokens == len(tokens) // ps * ps
+            self.check_hit(hit, tokens)
+
+    @precondition(lambda self: len(self.open) < 2)
+    @rule(tokens=sequences)
+    def open_request(self, tokens: tuple[int, ...]) -> None:
+        """Open a fetch context and keep it (and its pins) across steps."""
+        async def go() -> None:
+            ctx = self.c.fetch(tokens)
+            await ctx.__aenter__()
+            try:
+                await ctx.ready()
+                self.check_hit(ctx, tokens)
+            except BaseException:
+                await ctx.__aexit__(None, None, None)
+                raise
+            self.open.append(OpenRequest(ctx, tokens, torch.empty(0, dtype=torch.int64)))
+        self.run(go())
+
+    @precondition(lambda self: self.open)
+    @rule(which=CHOICE, extra=st.lists(SUFFIX_TOKENS, max_size=5))
+    def commit_open_request(self, which: int, extra: list[int]) -> None:
+        """An open request computes the rest of its tokens (plus some decoded ones), commits."""
+        req = self.open[which % len(self.open)]
+        self.run(self._commit_open(req, (*req.tokens, *extra)))
+
+    async def _commit_open(self, req: OpenRequest, tokens: tuple[int, ...]) -> None:
+        ctx, ps = req.ctx, self.ps
+        cached = ctx.num_cached_tokens
+        computed = cached + len(req.tail)  # the tail: a leased partial page from a commit
+        if len(tokens) <= computed:
+            return
+        try:  # continues the partial page first, as decoding needs
+            new = await ctx.allocate(len(tokens) - computed)
+        except CapacityError:
+            return
+        fill_kv(self.c, new, list(tokens[computed:]))
+        slots = torch.cat([req.tail, new])
+        self.remember(tokens)
+        await ctx.commit(tokens, slots)
+        full = len(tokens) // ps * ps
+        assert ctx.num_cached_tokens == full
+        req.tokens, req.tail = tokens, slots[full - cached:]
+        self.check_hit(ctx, tokens)
+
+    @precondition(lambda self: self.open)
+    @rule(which=CHOICE)
+    def close_request(self, which: int) -> None:
+        req = self.open.pop(which % len(self.open))
+        self.run(req.ctx.__aexit__(None, None, None))
+
+    @rule(num_tokens=st.integers(1, 12))
+    def allocate(self, num_tokens: int) -> None:
+        """Lease slots outside any request and scribble on them."""
+        slots = self.run(self.lease(num_tokens))
+        if slots is not None:
+            self.leases.append(slots)
+
+    @rule(which=CHOICE)
+    def free(self, which: int) -> None:
+        if self.leases:  # (whether an allocate succeeded depends on copy timing)
+            self.c.free(self.leases.pop(which % len(self.leases)))
+
+    @rule(fraction=st.sampled_from([0.5, 0.75, 1.0]))
+    def force_eviction(self, fraction: float) -> None:
+        """Allocate (and scribble on) a large part of the device pool, then give it back."""
+        cfg = self.c.config
+        num_tokens = max(1, int(cfg.device_pages * fraction) * cfg.page_size)
+        slots = self.run(self.lease(num_tokens))
+        if slots is not None:
+            self.c.free(slots)
+
+    @rule()
+    def drain(self) -> None:
+        self.run(self.c.drain())
+        stats = self.c.stats()
+        assert stats.pending_loads == stats.pending_writes == 0
+
+    # ---------------------------------------------------------------- invariants
+
+    @invariant()
+    def internally_consistent(self) -> None:
+        if self.cache is not None:
+            self.cache.check_invariants()
+            assert self.cache.stats().health == "ok"
+
+    @invariant()
+    def leases_are_accounted(self) -> None:
+        if self.cache is None:
+            return
+        ps = self.ps
+        mine = sum(-(-len(s) // ps) for s in self.leases) + sum(len(r.tail) > 0 for r in self.open)
+        assert self.cache.stats().device_pages_leased == mine
+
+    @invariant()
+    def pinned_kv_stays_intact(self) -> None:
+        """Pages an open request holds are neither evicted nor overwritten."""
+        for req in self.open:
+            self.check_hit(req.ctx, req.tokens)
+
+
+SETTINGS = settings(max_examples=40, stateful_step_count=30, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+class WriteThroughPageFirst(HiCacheMachine):
+    WRITE_POLICY = "write_through"
+    HOST_LAYOUT = "page_first"
+    LOOP_FACTORY = asyncio.new_event_loop
+
+
+class WriteThroughLayerFirst(HiCacheMachine):
+    WRITE_POLICY = "write_through"
+    HOST_LAYOUT = "layer_first"
+    LOOP_FACTORY = uvloop.new_event_loop
+
+
+class WriteBackPageFirst(HiCacheMachine):
+    WRITE_POLICY = "write_back"
+    HOST_LAYOUT = "page_first"
+    LOOP_FACTORY = uvloop.new_event_loop
+
+
+class WriteBackLayerFirst(HiCacheMachine):
+    WRITE_POLICY = "write_back"
+    HOST_LAYOUT = "layer_first"
+    LOOP_FACTORY = asyncio.new_event_loop
+
+
+class SelectiveWriteThrough(HiCacheMachine):
+    WRITE_POLICY = "write_through_selective"
+    HOST_LAYOUT = "page_first"
+    LOOP_FACTORY = asyncio.new_event_loop
+
+
+TestWriteThroughPageFirst = WriteThroughPageFirst.TestCase
+TestWriteThroughLayerFirst = WriteThroughLayerFirst.TestCase
+TestWriteBackPageFirst = WriteBackPageFirst.TestCase
+TestWriteBackLayerFirst = WriteBackLayerFirst.TestCase
+TestSelectiveWriteThrough = SelectiveWriteThrough.TestCase
+for _case in (TestWriteThroughPageFirst, TestWriteThroughLayerFirst, TestWriteBackPageFirst,
+              TestWriteBackLayerFirst, TestSelectiveWriteThrough):
+    _case.settings = SETTINGS
