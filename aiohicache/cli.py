@@ -1,4 +1,4 @@
-"""The ``aiohicache`` command: ``bench core`` and ``demo`` (``python -m aiohicache`` too).
+"""The ``aiohicache`` command: ``replay``, ``bench core``, ``demo`` (``python -m aiohicache``).
 
 Subcommands are thin: they parse options, pick an event loop and call into the package.
 """
@@ -13,11 +13,23 @@ from typing import Any, TypeVar
 
 import click
 import torch
+from tqdm import tqdm
 
 from . import __version__
 from .api import FetchContext, HiCache
 from .bench import FULL, QUICK, run_core
 from .config import HiCacheConfig, KVSpec
+from .errors import ConfigError
+from .replay import Request, load_trace
+from .replay.report import format_result, format_sweep, plot_sweep, to_json
+from .replay.runner import (
+    MODELS,
+    ReplayConfig,
+    ReplayResult,
+    parse_capacity,
+    sweep_configs,
+)
+from .replay.runner import replay as run_replay
 
 __all__ = ("cli", "loop_factory", "loop_option", "main")
 
@@ -95,6 +107,115 @@ def demo(loop: str) -> None:
         runner.run(_demo(click.echo))
 
 
+_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+@cli.command()
+@click.argument("trace", default="mooncake")
+@click.option("--limit", type=click.IntRange(min=1), default=None,
+              help="Replay only the first N requests.")
+@click.option("--model", type=click.Choice(sorted(MODELS)), default="llama3-8b",
+              show_default=True, help="KV size per token from a model preset.")
+@click.option("--layers", type=int, default=None, help="Explicit MHA spec: layers ...")
+@click.option("--kv-heads", type=int, default=None, help="... KV heads per layer ...")
+@click.option("--head-dim", type=int, default=None, help="... head dimension ...")
+@click.option("--dtype", default="bf16", show_default=True, help="... and dtype.")
+@click.option("--kv-scale", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Divide bytes per token by this so production capacities fit a laptop.")
+@click.option("--l1", "l1", default="256k", show_default=True,
+              help="L1 capacity: tokens (256k, 1M) or model bytes (32GiB).")
+@click.option("--l2", "l2", default="1M", show_default=True,
+              help="L2 capacity: tokens or model bytes; 0 for a single tier.")
+@click.option("--page-size", type=click.IntRange(1, 256), default=16, show_default=True)
+@click.option("--write-policy", type=click.Choice(_POLICIES), default="write_through",
+              show_default=True)
+@click.option("--eviction", type=click.Choice(["lru", "lfu"]), default="lru", show_default=True)
+@click.option("--host-layout", type=click.Choice(["page_first", "layer_first"]),
+              default="page_first", show_default=True)
+@click.option("--time", "time_mode", type=click.Choice(["fast", "timestamps"]), default="fast",
+              show_default=True, help="As fast as possible, or honour arrival times.")
+@click.option("--speedup", type=float, default=1.0, show_default=True,
+              help="With --time timestamps: replay this many times faster than recorded.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Requests in flight at once (1: sequential, deterministic).")
+@click.option("--sweep", default=None,
+              help="Comma-separated L1 capacities: print the hit-ratio curve.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="With --sweep: write the curve as a PNG.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@loop_option
+def replay(trace: str, limit: int | None, model: str, layers: int | None,
+           kv_heads: int | None, head_dim: int | None, dtype: str, kv_scale: int, l1: str,
+           l2: str, page_size: int, write_policy: str, eviction: str, host_layout: str,
+           time_mode: str, speedup: float, concurrency: int, sweep: str | None,
+           plot: str | None, as_json: bool, no_progress: bool, loop: str) -> None:
+    """Replay a serving trace through a real cache and report what each tier served.
+
+    TRACE is "mooncake" (a bundled 2,000-request slice of the Mooncake conversation trace),
+    "synthetic", a Mooncake-format .jsonl file, or a kv-cache-tester .jsonl.gz file.
+    """
+    try:
+        spec = _replay_spec(model, layers, kv_heads, head_dim, dtype)
+        base = ReplayConfig(
+            spec=spec, kv_scale=kv_scale, page_size=page_size,
+            device_tokens=parse_capacity(l1, bytes_per_token=spec.bytes_per_token,
+                                         field_name="l1"),
+            host_tokens=parse_capacity(l2, bytes_per_token=spec.bytes_per_token,
+                                       field_name="l2"),
+            write_policy=write_policy, eviction=eviction,  # type: ignore[arg-type]
+            host_layout=host_layout, time_mode=time_mode,  # type: ignore[arg-type]
+            speedup=speedup, concurrency=concurrency)
+        configs = [base] if sweep is None else sweep_configs(base, [
+            parse_capacity(x, bytes_per_token=spec.bytes_per_token, field_name="sweep")
+            for x in sweep.split(",") if x.strip()])
+        requests = load_trace(trace, limit=limit)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    results = [_replay_one(c, requests, loop, progress=not (no_progress or as_json))
+               for c in configs]
+    _print_replay(results, trace, as_json=as_json, swept=sweep is not None)
+    if plot is not None:
+        plot_sweep(results, plot, title=f"aiohicache replay: {trace}")
+        if not as_json:
+            click.echo(f"plot written to {plot}")
+
+
+def _replay_spec(model: str, layers: int | None, kv_heads: int | None,
+                 head_dim: int | None, dtype: str) -> KVSpec:
+    explicit = (layers, kv_heads, head_dim)
+    if all(x is None for x in explicit):
+        return MODELS[model]
+    if any(x is None for x in explicit):
+        raise ConfigError("spec: --layers, --kv-heads and --head-dim go together")
+    return KVSpec.mha(num_layers=layers, num_kv_heads=kv_heads,  # type: ignore[arg-type]
+                      head_dim=head_dim, dtype=dtype)  # type: ignore[arg-type]
+
+
+def _replay_one(config: ReplayConfig, requests: list[Request], loop: str, *,
+                progress: bool) -> ReplayResult:
+    with tqdm(total=len(requests), unit="req", disable=not progress, leave=False,
+              desc=f"replay L1={config.device_tokens:,} tokens") as bar, \
+            asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
+
+        def advance(n: int) -> None:
+            bar.update(n)
+
+        return runner.run(run_replay(config, requests, progress=advance))
+
+
+def _print_replay(results: list[ReplayResult], trace: str, *, as_json: bool,
+                  swept: bool) -> None:
+    if as_json:
+        click.echo(to_json(results))
+        return
+    for r in results if not swept else results[:0]:
+        click.echo(format_result(r, title=f"aiohicache replay: {trace}"))
+    if swept:
+        click.echo(f"aiohicache replay: {trace}, hit ratio vs L1 capacity\n")
+        click.echo(format_sweep(results))
+
+
 def main() -> None:
     """Console entry point (``aiohicache``, ``python -m aiohicache``)."""
     cli(prog_name="aiohicache")
@@ -112,7 +233,7 @@ async def _demo(echo: Callable[[str], None]) -> None:
 
     Cancellation: the cache closes (shielded); nothing else is left running.
     """
-    config = HiCacheConfig(spec=_DEMO_SPEC, page_size=4, device_pages=8, host_pages=32)
+    config = HiCacheConfig(spec=_DEMO_SPEC, page_size=4, device_pages=6, host_pages=32)
     a, b, c = (list(range(base, base + 12)) for base in (100, 200, 300))
     echo(f"KV spec {config.spec.fingerprint()}, page {config.page_size} tokens, device "
          f"{config.device_pages} pages, host {config.host_capacity_pages} pages, "
@@ -124,7 +245,7 @@ async def _demo(echo: Callable[[str], None]) -> None:
         echo(f"   write-through settled: {cache.stats().host_pages_used} host pages used\n")
         echo("2. prompt A again: every token is on the device (L1 hit)")
         await _prefill(cache, a, echo)
-        echo("\n3. prompts B and C: the device has 8 pages, so C evicts A (LRU) to host-only")
+        echo("\n3. prompts B and C: the device has 6 pages, so C evicts A (LRU) to host-only")
         for tokens in (b, c):
             await _prefill(cache, tokens, echo)
             await cache.drain()

@@ -178,7 +178,7 @@ class HiCacheConfig:
     device: str = "cpu"
     """Where L1 lives: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
     host_pages: int | None = None
-    """L2 capacity in pages; when None, `host_bytes` or `host_ratio` decides."""
+    """L2 capacity in pages (0: no L2 tier); when None, `host_bytes` or `host_ratio` decides."""
     host_bytes: int | None = None
     """L2 capacity in bytes (rounded down to whole pages); used when `host_pages` is None."""
     host_ratio: float = 2.0
@@ -238,7 +238,7 @@ class HiCacheConfig:
                 f"max_worker_restarts: must be an int >= 0, got {self.max_worker_restarts!r}")
 
     def _check_host(self) -> None:
-        if self.host_pages is not None:
+        if self.host_pages is not None and self.host_pages != 0:  # 0: no L2 tier
             _positive_int("host_pages", self.host_pages)
         if self.host_bytes is not None:
             _positive_int("host_bytes", self.host_bytes)

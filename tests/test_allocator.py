@@ -38,9 +38,10 @@ def test_alloc_zero_is_empty_and_negative_is_an_error() -> None:
         alloc.alloc(-1)
 
 
-def test_capacity_must_be_positive() -> None:
+def test_capacity_must_be_a_non_negative_int() -> None:
     with pytest.raises(ConfigError, match="^capacity:"):
-        PageAllocator(0)
+        PageAllocator(-1)
+    assert PageAllocator(0).alloc(1) is None  # an absent tier
 
 
 def test_double_free_is_detected_and_frees_nothing() -> None:

@@ -360,3 +360,15 @@ async def test_a_failed_load_is_never_served_and_the_cache_reports_failure() -> 
         with pytest.raises(WorkerError):
             async with cache.fetch(tokens):
                 pass
+
+
+async def test_a_cache_without_host_tier_keeps_only_device_pages() -> None:
+    async with make_cache(host_pages=0, device_pages=4) as cache:
+        await prefill(cache, make_tokens(16))
+        await prefill(cache, make_tokens(8, seed=1))
+        await cache.drain()
+        s = cache.stats()
+        assert (s.writes, s.host_pages_used, s.device_pages_used) == (0, 0, 4)
+        async with cache.fetch(make_tokens(16)) as hit:
+            assert hit.num_cached_tokens == 8  # two pages of the first prompt survived
+        cache.check_invariants()

@@ -20,6 +20,8 @@ rule runs.
 from __future__ import annotations
 
 import asyncio
+import random
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -30,7 +32,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from aiohicache import CapacityError, FetchContext, HiCache, HiCacheConfig, KVSpec
+from aiohicache import (
+    CapacityError,
+    CpuTransferEngine,
+    FetchContext,
+    HiCache,
+    HiCacheConfig,
+    KVSpec,
+    TransferHandle,
+)
 from tests.conftest import fill_kv, make_config, read_kv
 
 T = TypeVar("T")
@@ -72,6 +82,26 @@ def expected_kv(config: HiCacheConfig, tokens: tuple[int, ...]) -> torch.Tensor:
     slots = torch.arange(len(tokens), dtype=torch.int64)
     fill_kv(ref, slots, list(tokens))
     return read_kv(ref, slots)
+
+
+class JitteryEngine(CpuTransferEngine):
+    """The CPU engine, each copy held back 0-1 ms on its worker thread.
+
+    Copies then finish at varied points relative to the event loop and to each other's
+    settling, so race windows (a node still LOADING or WRITING while other requests match,
+    pin or evict it) stay open long enough for the rules to hit them.
+    """
+
+    def __init__(self, seed: int) -> None:  # pools are bound in `attach`
+        self._rng = random.Random(seed)
+
+    def attach(self, cache: HiCache) -> None:
+        super().__init__(cache.device_pool, cache.host_pool)
+
+    def _run(self, stream: Any, plan: Any, handle: TransferHandle,
+             loop: asyncio.AbstractEventLoop, to_device: bool) -> None:
+        time.sleep(self._rng.random() * 0.001)
+        super()._run(stream, plan, handle, loop, to_device)
 
 
 @dataclass
@@ -139,16 +169,34 @@ class HiCacheMachine(RuleBasedStateMachine):
         fill_kv(self.c, slots, [POISON_TOKEN] * len(slots))
         return slots
 
+    async def decode_allocate(self, ctx: FetchContext, tail: torch.Tensor,
+                              num_tokens: int) -> torch.Tensor | None:
+        """`ctx.allocate` after a commit that left the partial page `tail`: the slots continue
+        that page. When the pool is full, decoding goes on one token at a time in the page's
+        free rest: a failed allocate must not have used it up."""
+        try:
+            slots = await ctx.allocate(num_tokens)
+        except CapacityError:
+            if not len(tail):
+                return None
+            slots = await ctx.allocate(1)
+        if len(tail):
+            assert slots[0] == tail[-1] + 1, "allocate skipped the rest of the partial page"
+        return slots
+
     # ---------------------------------------------------------------- lifecycle
 
     @initialize(page_size=st.sampled_from([2, 4]), device_pages=st.integers(8, 12),
-                host_pages=st.integers(16, 24), eviction=st.sampled_from(["lru", "lfu"]))
+                host_pages=st.integers(16, 24), eviction=st.sampled_from(["lru", "lfu"]),
+                jitter_seed=st.integers(0, 2**32 - 1))
     def open_cache(self, page_size: int, device_pages: int, host_pages: int,
-                   eviction: str) -> None:
+                   eviction: str, jitter_seed: int) -> None:
         config = make_config(page_size=page_size, device_pages=device_pages,
                              host_pages=host_pages, eviction=eviction,
                              write_policy=self.WRITE_POLICY, host_layout=self.HOST_LAYOUT)
-        self.cache = HiCache(config)
+        engine = JitteryEngine(jitter_seed)
+        self.cache = HiCache(config, engine=engine)
+        engine.attach(self.cache)
         self.run(self.cache.__aenter__())
 
     def teardown(self) -> None:
@@ -266,16 +314,17 @@ class HiCacheMachine(RuleBasedStateMachine):
             first = hit.num_cached_tokens
             assert first == mid // ps * ps
             self.check_hit(hit, tokens)
+            tail = slots[first - cached:mid - cached]  # the partial page so far
             if upfront:
                 rest = slots[mid - cached:]
             else:
-                try:
-                    rest = await hit.allocate(len(tokens) - mid)
-                except CapacityError:
+                rest = await self.decode_allocate(hit, tail, len(tokens) - mid)
+                if rest is None:
                     return
+                tokens = tokens[:mid + len(rest)]
             fill_kv(self.c, rest, list(tokens[mid:]))  # "decode" the rest
             self.remember(tokens)
-            await hit.commit(tokens, torch.cat([slots[first - cached:mid - cached], rest]))
+            await hit.commit(tokens, torch.cat([tail, rest]))
             assert hit.num_cached_tokens == len(tokens) // ps * ps
             self.check_hit(hit, tokens)
 
@@ -308,10 +357,10 @@ class HiCacheMachine(RuleBasedStateMachine):
         computed = cached + len(req.tail)  # the tail: a leased partial page from a commit
         if len(tokens) <= computed:
             return
-        try:  # continues the partial page first, as decoding needs
-            new = await ctx.allocate(len(tokens) - computed)
-        except CapacityError:
+        new = await self.decode_allocate(ctx, req.tail, len(tokens) - computed)
+        if new is None:
             return
+        tokens = tokens[:computed + len(new)]
         fill_kv(self.c, new, list(tokens[computed:]))
         slots = torch.cat([req.tail, new])
         self.remember(tokens)

@@ -232,3 +232,12 @@ def test_fingerprint_is_equal_for_equal_histories() -> None:
     assert a.fingerprint() == b.fingerprint()
     put(b, [4, 4])
     assert a.fingerprint() != b.fingerprint()
+
+
+def test_eviction_is_page_granular_and_takes_the_tail_first() -> None:
+    tree = make_tree()
+    put(tree, [1, 1, 2, 2, 3, 3, 4, 4])
+    ev = tree.evict_device(3)
+    assert ev.freed_pages == 3 and tree.device_alloc.num_used == 1
+    assert tree.match((1, 1, 2, 2, 3, 3, 4, 4), touch=False).num_device_pages == 1
+    tree.check()

@@ -28,8 +28,8 @@ class PageAllocator:
     __slots__ = ("_free", "_name", "_top", "_used")
 
     def __init__(self, capacity: int, *, name: str = "pool") -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ConfigError(f"capacity: must be a positive int, got {capacity!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ConfigError(f"capacity: must be an int >= 0, got {capacity!r}")
         self._name = name
         # Stack with its top at the end; reversed so the first alloc returns 0, 1, 2, ...
         self._free: PageIds = np.arange(capacity - 1, -1, -1, dtype=np.int64)

@@ -372,7 +372,7 @@ class RadixTree:
         return pages
 
     def evict_device(self, num_pages: int, *, write_back: PendingOp | None = None) -> Eviction:
-        """Free at least `num_pages` device pages if unpinned leaves allow, LRU first.
+        """Free `num_pages` device pages if unpinned leaves allow, LRU first, page-granular.
 
         A leaf with a host copy is demoted to host-only. Without one it is deleted, or, given a
         `write_back` op, staged to the host: it becomes WRITING under that op and its device
@@ -385,6 +385,8 @@ class RadixTree:
             node = self._pop_candidate(self._device_heap, self._device_candidate)
             if node is None:
                 break
+            if write_back is None or not self._stageable(node):
+                self._trim(node, num_pages - out.freed_pages - staged)
             if self.device_eviction_order is not None:
                 self.device_eviction_order.append(node.id)
             if write_back is not None and self._stage_write_back(node, write_back):
@@ -394,11 +396,20 @@ class RadixTree:
                 self._evict_device_node(node, out=out)
         return out
 
+    def _trim(self, node: Node, need: int) -> None:
+        """Evict page-granular: leave only the last `need` pages in `node` (its head splits
+        off as the parent, next in line with the same recency)."""
+        if 0 < need < node.num_pages:
+            self._split(node, node.num_pages - need)
+
+    def _stageable(self, node: Node) -> bool:
+        # Whole nodes only: a trimmed tail's new parent is not on the host, so it could not
+        # be staged (host residency must stay prefix-closed).
+        return not node.on_host and (node.parent is self.root or (
+            node.parent is not None and node.parent.on_host))
+
     def _stage_write_back(self, node: Node, op: PendingOp) -> bool:
-        if node.on_host or not (node.parent is self.root or (
-                node.parent is not None and node.parent.on_host)):
-            return False
-        return self.begin_write(node, op)
+        return self._stageable(node) and self.begin_write(node, op)
 
     def _evict_device_node(self, node: Node, *, out: Eviction) -> None:
         pages = node.device_pages
@@ -411,12 +422,13 @@ class RadixTree:
             self._delete(node)
 
     def evict_host(self, num_pages: int) -> int:
-        """Free at least `num_pages` host pages by deleting host-only leaves, LRU first."""
+        """Free `num_pages` host pages from host-only leaves, LRU first, page-granular."""
         freed = 0
         while freed < num_pages:
             node = self._pop_candidate(self._host_heap, self._host_candidate)
             if node is None:
                 break
+            self._trim(node, num_pages - freed)
             assert node.host_pages is not None
             self.host_alloc.free(node.host_pages)
             freed += len(node.host_pages)

@@ -1,0 +1,11 @@
+"""Trace replay: request traces (Mooncake, kv-cache-tester, synthetic) to drive the cache."""
+
+from .traces import Request, load_agentic, load_mooncake, load_trace, synthetic
+
+__all__ = (
+    "Request",
+    "load_agentic",
+    "load_mooncake",
+    "load_trace",
+    "synthetic",
+)

@@ -1,0 +1,113 @@
+"""Render replay results: a table for people, JSON for machines, a hit-ratio curve."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import ConfigError
+from .runner import ReplayResult
+
+__all__ = ("format_result", "format_sweep", "plot_sweep", "result_to_dict", "to_json")
+
+
+def _tokens(n: int) -> str:
+    for unit, scale in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_result(r: ReplayResult, *, title: str = "") -> str:
+    """The replay table: what each tier served, what moved, how fast it ran."""
+    def pct(n: int) -> str:
+        return f"{100 * n / r.prompt_tokens:6.2f} %" if r.prompt_tokens else "     -"
+
+    rows = [
+        ("requests", f"{r.requests:,}", ""),
+        ("prompt tokens", f"{r.prompt_tokens:,}", ""),
+        ("served from L1 (device)", f"{r.l1_tokens:,}", pct(r.l1_tokens)),
+        ("served from L2 (host)", f"{r.l2_tokens:,}", pct(r.l2_tokens)),
+        ("served from L3 (storage)", f"{r.l3_tokens:,}", pct(r.l3_tokens)),
+        ("recomputed", f"{r.recomputed_tokens:,}", pct(r.recomputed_tokens)),
+        ("hit ratio", f"{r.hit_ratio:.4f}", "(L1+L2+L3) / prompt tokens"),
+        ("requests not cached", f"{r.not_inserted:,}", "new KV larger than unpinned L1"),
+        ("moved L2 -> L1 (load-back)", _bytes(r.bytes_h2d),
+         f"model-equivalent {_bytes(r.model_bytes_h2d)}"),
+        ("moved L1 -> L2 (write)", _bytes(r.bytes_d2h),
+         f"model-equivalent {_bytes(r.model_bytes_d2h)}"),
+        ("L1 <-> L2 throughput", f"{r.transfer_gbps:.2f} GB/s", "bytes moved / wall time"),
+        ("event-loop lag p50/p99/max", f"{r.lag.p50_ms:.2f} / {r.lag.p99_ms:.2f} / "
+         f"{r.lag.max_ms:.2f} ms", f"{r.lag.samples} samples"),
+        ("wall time", f"{r.wall_seconds:.2f} s", ""),
+        ("requests/s", f"{r.requests_per_second:,.0f}", ""),
+    ]
+    head = (f"L1 {_tokens(r.device_tokens)} tokens, L2 {_tokens(r.host_tokens)} tokens, "
+            f"{r.bytes_per_token} B/token (model bytes / {r.kv_scale})")
+    width = max(len(k) for k, _, _ in rows)
+    lines = [title, head, ""] if title else [head, ""]
+    lines += [f"  {k:<{width}}  {v:>22}  {note}".rstrip() for k, v, note in rows]
+    return "\n".join(lines)
+
+
+def result_to_dict(r: ReplayResult) -> dict[str, object]:
+    out = dataclasses.asdict(r)
+    out.update(hit_ratio=r.hit_ratio, requests_per_second=r.requests_per_second,
+               transfer_gbps=r.transfer_gbps)
+    return out
+
+
+def to_json(results: Sequence[ReplayResult]) -> str:
+    items = [result_to_dict(r) for r in results]
+    return json.dumps(items[0] if len(items) == 1 else items, indent=2)
+
+
+def format_sweep(results: Sequence[ReplayResult]) -> str:
+    """The hit-ratio curve over L1 capacity, one line per replay."""
+    lines = ["  L1 tokens   L2 tokens   L1 hit   L2 hit   hit ratio   requests/s",
+             "  ---------   ---------   ------   ------   ---------   ----------"]
+    for r in results:
+        l1 = r.l1_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
+        l2 = r.l2_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
+        lines.append(f"  {_tokens(r.device_tokens):>9}   {_tokens(r.host_tokens):>9}   "
+                     f"{l1:6.4f}   {l2:6.4f}   {r.hit_ratio:9.4f}   "
+                     f"{r.requests_per_second:10,.0f}")
+    return "\n".join(lines)
+
+
+def plot_sweep(results: Sequence[ReplayResult], path: str | Path, *, title: str = "") -> None:
+    """Write the hit-ratio curve as a PNG (needs matplotlib: ``pip install aiohicache[plot]``).
+
+    Raises:
+        ConfigError: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ConfigError("plot: needs matplotlib (pip install 'aiohicache[plot]')") from exc
+    xs = [r.device_tokens for r in results]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(xs, [r.hit_ratio for r in results], marker="o", label="L1 + L2 hit ratio")
+    ax.plot(xs, [r.l1_tokens / max(1, r.prompt_tokens) for r in results], marker=".",
+            linestyle="--", label="L1 hit ratio")
+    ax.set_xscale("log")
+    ax.set_xlabel("L1 capacity (tokens)")
+    ax.set_ylabel("token hit ratio")
+    ax.set_ylim(0, 1)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    ax.set_title(title or "aiohicache replay: hit ratio vs L1 capacity")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
