@@ -411,6 +411,7 @@ class FetchContext:
         self._device_indices: torch.Tensor | None = None
         self._tail: tuple[int, int] | None = None  # leased page being filled, slots used
         self._owner = next(_owner_ids)
+        self._allocated: tuple[torch.Tensor, PageIds, int] | None = None
 
     def __repr__(self) -> str:
         return (f"<FetchContext {len(self.tokens)} tokens, {self.num_cached_tokens} cached, "
@@ -529,9 +530,15 @@ class FetchContext:
                 return head.to(self._cache.device_pool.device)
         # NOTE: `_tail` changes only after the await: a cancelled allocate leaves it as it was.
         slots = await self._cache._allocate(num_tokens, owner=self._owner)
-        self._leases.append(self._cache.device_pool.slots_to_pages(slots))
+        pages = self._cache.device_pool.slots_to_pages(slots)
+        self._leases.append(pages)
         self._tail = (int(slots[-1]) // ps, num_tokens % ps) if num_tokens % ps else None
-        return slots if head is None else torch.cat([head.to(slots.device), slots])
+        if head is not None:
+            return torch.cat([head.to(slots.device), slots])
+        # commit() of this very tensor, unmodified (torch bumps _version on in-place
+        # writes), skips re-deriving its pages.
+        self._allocated = (slots, pages, slots._version)
+        return slots
 
     async def commit(self, tokens: TokenInput, slots: torch.Tensor) -> None:
         """Insert `tokens` into the cache, with the KV of ``tokens[num_cached_tokens:]`` at `slots`.
@@ -599,7 +606,11 @@ class FetchContext:
             raise ConfigError(f"slots: need one slot per token after the cached prefix "
                               f"({len(toks) - cached}), got "
                               f"{len(slots) if isinstance(slots, torch.Tensor) else slots!r}")
-        pages = self._cache.device_pool.slots_to_pages(slots)
+        if self._allocated is not None and slots is self._allocated[0] \
+                and slots._version == self._allocated[2]:
+            pages = self._allocated[1]
+        else:
+            pages = self._cache.device_pool.slots_to_pages(slots)
         if len(pages) and not (self._cache._leased[pages] != 0).all():
             raise PageError("slots: not leased by allocate() (already committed or freed?)")
         return pages

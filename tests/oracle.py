@@ -54,11 +54,40 @@ class PrefixLRU:
 
     # -- requests -------------------------------------------------------------------------
 
-    def serve(self, tokens: Sequence[int]) -> int:
-        """Serve one request of `tokens`; return its hit tokens (whole matched pages)."""
+    def serve(self, tokens: Sequence[int], *, slot_pages: bool = False) -> int:
+        """Serve one request of `tokens`; return its hit tokens (whole matched pages).
+
+        With `slot_pages`, the request works as a serving engine's does: it needs device
+        slots for every token it computes, a trailing partial page included, so eviction
+        frees ``ceil(computed tokens / page_size)`` pages although only whole pages are
+        inserted. If that many cannot be freed, every unpinned page is evicted trying, and
+        nothing is inserted (unless it exceeds the whole capacity: then nothing changes).
+        """
         ps = self.page_size
         labels = [tuple(tokens[i:i + ps]) for i in range(0, len(tokens) // ps * ps, ps)]
-        return self._serve(self._path(labels)) * ps
+        path = self._path(labels)
+        if not slot_pages:
+            return self._serve(path) * ps
+        return self._serve_with_slots(path, len(tokens)) * ps
+
+    def _serve_with_slots(self, path: list[int], num_tokens: int) -> int:
+        cached, ps = self._cached, self.page_size
+        matched = 0
+        while matched < len(path) and cached[path[matched]]:
+            matched += 1
+        pin_tick = self._touch(path[:matched])
+        slots = -(-(num_tokens - matched * ps) // ps)
+        if self.capacity is not None and slots:
+            if slots > self.capacity:
+                return matched
+            if slots > self.capacity - matched:  # cannot fit beside the pinned prefix
+                self._evict(self.used - matched, pin_tick)
+                return matched
+            self._evict(slots - (self.capacity - self.used), pin_tick)
+        for page in path[matched:]:
+            self._insert(page)
+        self._touch(path)
+        return matched
 
     def serve_blocks(self, hash_ids: Sequence[Hashable], num_full_blocks: int) -> int:
         """Serve a request given as block hash ids, one page each; return its hit pages.

@@ -372,3 +372,14 @@ async def test_a_cache_without_host_tier_keeps_only_device_pages() -> None:
         async with cache.fetch(make_tokens(16)) as hit:
             assert hit.num_cached_tokens == 8  # two pages of the first prompt survived
         cache.check_invariants()
+
+
+async def test_slots_modified_in_place_after_allocate_are_validated_again() -> None:
+    async with make_cache() as cache:
+        tokens = make_tokens(8)
+        async with cache.fetch(tokens) as hit:
+            slots = await hit.allocate(8)
+            slots[0] = slots[1]  # the caller scribbled on the tensor it was given
+            with pytest.raises(ConfigError, match="^slots:"):
+                await hit.commit(tokens, slots)
+        cache.check_invariants()

@@ -60,7 +60,7 @@ class GatedEngine(CpuTransferEngine):
         self.write_handles: list[TransferHandle] = []
 
     def attach(self, cache: HiCache) -> None:
-        super().__init__(cache.device_pool, cache.host_pool)
+        super().__init__(cache.device_pool, cache.host_pool, inline_bytes=0)  # all on threads
 
     def open_gates(self) -> None:
         self.loads.set()

@@ -29,8 +29,9 @@ def random_fill(pool: DevicePool | HostPool, seed: int) -> None:
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("spec_name", list(SPECS))
 @pytest.mark.parametrize("order", ["contiguous", "random"])
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 30], ids=["thread", "inline"])
 async def test_round_trip_device_host_device_is_bit_exact(
-        layout: str, page_size: int, spec_name: str, order: str) -> None:
+        layout: str, page_size: int, spec_name: str, order: str, inline_bytes: int) -> None:
     spec = SPECS[spec_name]
     dev = DevicePool(spec, num_pages=12, page_size=page_size)
     host = HostPool(spec, num_pages=20, page_size=page_size, layout=layout)  # type: ignore[arg-type]
@@ -43,7 +44,7 @@ async def test_round_trip_device_host_device_is_bit_exact(
     expected = dev.data[:, :, src].clone()
     untouched_host = np.setdiff1d(np.arange(20), mid)
     host_before = host.data.clone()
-    engine = CpuTransferEngine(dev, host)
+    engine = CpuTransferEngine(dev, host, inline_bytes=inline_bytes)
     try:
         await engine.write(src, mid).wait()
         await engine.load(mid, back).wait()

@@ -1,0 +1,102 @@
+"""`aiohicache replay`: a real cache replays traces; single-tier hits equal the oracle's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from aiohicache import ConfigError
+from aiohicache.cli import cli
+from aiohicache.replay import load_trace, synthetic
+from aiohicache.replay.runner import MODELS, ReplayConfig, parse_capacity, replay, scaled_spec
+from tests.oracle import PrefixLRU
+
+
+@pytest.mark.parametrize(("page_size", "num_requests", "capacity"), [
+    (64, 600, 200_000), (64, 600, 1_000_000), (16, 200, 150_000), (256, 2000, 2_000_000)])
+def test_single_tier_replay_hits_equal_the_independent_oracle(
+        page_size: int, num_requests: int, capacity: int) -> None:
+    requests = load_trace("mooncake", limit=num_requests)
+    config = ReplayConfig(spec=MODELS["tiny"], device_tokens=capacity, host_tokens=0,
+                          page_size=page_size)
+    result = asyncio.run(replay(config, requests))
+    oracle = PrefixLRU(capacity // page_size, page_size=page_size)
+    expected = sum(oracle.serve(r.tokens().tolist(), slot_pages=True) for r in requests)
+    assert result.l1_tokens == expected
+    assert result.l2_tokens == 0 and result.prompt_tokens == sum(r.input_length for r in requests)
+
+
+async def test_two_tiers_serve_at_least_what_one_tier_does() -> None:
+    requests = load_trace("mooncake", limit=500)
+    one = await replay(ReplayConfig(spec=MODELS["tiny"], device_tokens=200_000,
+                                    host_tokens=0), requests)
+    two = await replay(ReplayConfig(spec=MODELS["tiny"], device_tokens=200_000,
+                                    host_tokens=1_000_000), requests)
+    assert two.l2_tokens > 0 and two.bytes_h2d > 0 and two.bytes_d2h > 0
+    assert two.hit_ratio > one.hit_ratio
+
+
+async def test_concurrent_and_timestamped_replays_complete_with_sane_counts() -> None:
+    requests = synthetic(num_sessions=12, turns_per_session=4, num_system_prompts=2,
+                         system_prompt_tokens=512, turn_tokens=128, output_tokens=64,
+                         arrival_rate=200.0)
+    for cfg in (ReplayConfig(spec=MODELS["tiny"], device_tokens=20_000, host_tokens=80_000,
+                             concurrency=8),
+                ReplayConfig(spec=MODELS["tiny"], device_tokens=20_000, host_tokens=80_000,
+                             time_mode="timestamps", speedup=50.0, concurrency=8)):
+        r = await replay(cfg, requests)
+        assert r.requests == len(requests)
+        assert r.l1_tokens + r.l2_tokens + r.recomputed_tokens == r.prompt_tokens
+        assert r.hit_ratio > 0.3  # shared system prompts and growing histories
+
+
+def test_kv_scale_divides_bytes_per_token_and_keeps_rows_usable() -> None:
+    spec = MODELS["llama3-8b"]
+    for scale in (1, 2, 32, 512, 4096):
+        assert scaled_spec(spec, scale).bytes_per_token * scale == spec.bytes_per_token
+    with pytest.raises(ConfigError, match="^kv_scale:"):
+        scaled_spec(spec, 3)
+
+
+@pytest.mark.parametrize(("text", "tokens"), [
+    ("512k", 512_000), ("10.24M", 10_240_000), ("2000", 2000), ("1GiB", 2**30 // 1024),
+    ("2GB", 2 * 10**9 // 1024)])
+def test_capacities_in_tokens_or_bytes(text: str, tokens: int) -> None:
+    assert parse_capacity(text, bytes_per_token=1024, field_name="l1") == tokens
+
+
+def test_bad_capacity_names_the_option() -> None:
+    with pytest.raises(ConfigError, match="^l2:"):
+        parse_capacity("lots", bytes_per_token=1, field_name="l2")
+
+
+def test_cli_replay_prints_the_table() -> None:
+    result = CliRunner().invoke(cli, ["replay", "--limit", "200", "--no-progress",
+                                      "--model", "tiny", "--kv-scale", "1"])
+    assert result.exit_code == 0, result.output
+    for row in ("served from L1", "served from L2", "served from L3", "recomputed",
+                "hit ratio", "event-loop lag", "requests/s"):
+        assert row in result.output
+
+
+def test_cli_replay_json_and_sweep_with_plot(tmp_path: object) -> None:
+    png = f"{tmp_path}/curve.png"
+    result = CliRunner().invoke(cli, ["replay", "--limit", "200", "--json", "--model", "tiny",
+                                      "--kv-scale", "1", "--l2", "0", "--sweep", "50k,200k",
+                                      "--plot", png])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    assert [r["device_tokens"] for r in rows] == [50_000, 200_000]
+    assert rows[0]["hit_ratio"] <= rows[1]["hit_ratio"]
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_replay_rejects_bad_options_clearly() -> None:
+    result = CliRunner().invoke(cli, ["replay", "--l1", "plenty", "--no-progress"])
+    assert result.exit_code == 2 and "l1:" in result.output
+    result = CliRunner().invoke(cli, ["replay", "no/such/trace.jsonl", "--no-progress"])
+    assert result.exit_code == 2
