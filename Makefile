@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-gpu lint demo bench kernels-check clean
+.PHONY: install replay test test-gpu lint demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ test-gpu: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check aiohicache tests
 	$(BIN)/mypy
+
+replay: $(STAMP)
+	$(BIN)/aiohicache replay
 
 demo: $(STAMP)
 	$(BIN)/aiohicache demo

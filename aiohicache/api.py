@@ -229,13 +229,13 @@ class HiCache:
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ConfigError(f"num_tokens: must be a positive int, got {num_tokens!r}")
         self._check_open()
-        return await self._allocate(num_tokens, owner=_ANONYMOUS)
+        return (await self._allocate(num_tokens, owner=_ANONYMOUS))[0]
 
-    async def _allocate(self, num_tokens: int, *, owner: int) -> torch.Tensor:
+    async def _allocate(self, num_tokens: int, *, owner: int) -> tuple[torch.Tensor, PageIds]:
         ctl = self._check_open()
         pages = await ctl.alloc_device_wait(-(-num_tokens // self.config.page_size))
         self._lease(pages, owner)
-        return self.device_pool.pages_to_slots(pages)[:num_tokens]
+        return self.device_pool.pages_to_slots(pages)[:num_tokens], pages
 
     def free(self, slots: torch.Tensor) -> None:
         """Give back slots leased by `allocate` and not committed.
@@ -529,8 +529,7 @@ class FetchContext:
                 self._tail = (page, used + take) if used + take < ps else None
                 return head.to(self._cache.device_pool.device)
         # NOTE: `_tail` changes only after the await: a cancelled allocate leaves it as it was.
-        slots = await self._cache._allocate(num_tokens, owner=self._owner)
-        pages = self._cache.device_pool.slots_to_pages(slots)
+        slots, pages = await self._cache._allocate(num_tokens, owner=self._owner)
         self._leases.append(pages)
         self._tail = (int(slots[-1]) // ps, num_tokens % ps) if num_tokens % ps else None
         if head is not None:

@@ -122,9 +122,9 @@ _POLICIES = ("write_through", "write_through_selective", "write_back")
 @click.option("--dtype", default="bf16", show_default=True, help="... and dtype.")
 @click.option("--kv-scale", type=click.IntRange(min=1), default=512, show_default=True,
               help="Divide bytes per token by this so production capacities fit a laptop.")
-@click.option("--l1", "l1", default="256k", show_default=True,
+@click.option("--l1", "l1", default="1M", show_default=True,
               help="L1 capacity: tokens (256k, 1M) or model bytes (32GiB).")
-@click.option("--l2", "l2", default="1M", show_default=True,
+@click.option("--l2", "l2", default="4M", show_default=True,
               help="L2 capacity: tokens or model bytes; 0 for a single tier.")
 @click.option("--page-size", type=click.IntRange(1, 256), default=16, show_default=True)
 @click.option("--write-policy", type=click.Choice(_POLICIES), default="write_through",

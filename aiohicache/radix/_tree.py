@@ -511,28 +511,37 @@ class RadixTree:
                     raise InvariantError(f"eviction candidate {node!r} is not queued")
 
     def _check_node(self, node: Node) -> None:
+        problem = self._node_problem(node)
+        if problem:
+            raise InvariantError(f"{node!r}: {problem}")
+
+    def _node_problem(self, node: Node) -> str:
+        """The first broken invariant of `node`, or "" (messages built only on failure)."""
         ps, parent = self.page_size, node.parent
-        _require(parent is not None and parent.children.get(node.key[:ps].tobytes()) is node,
-                 f"{node!r} is not linked from its parent")
-        assert parent is not None
-        _require(len(node.key) == node.num_pages * ps and node.num_pages > 0,
-                 f"{node!r} key length disagrees with its pages")
-        _require((node.device_pages is None) == (not node.on_device), f"{node!r} device state")
-        _require((node.host_pages is None) == (not node.on_host), f"{node!r} host state")
-        _require(node.on_device or node.on_host, f"{node!r} holds KV in no tier")
-        for pages in (node.device_pages, node.host_pages):
-            _require(pages is None or len(pages) == node.num_pages, f"{node!r} page counts")
-        if parent is not self.root:
-            _require(parent.on_device or not node.on_device, f"{node!r} device not prefix-closed")
-            _require(parent.on_host or not node.on_host, f"{node!r} host not prefix-closed")
+        if parent is None or parent.children.get(node.key[:ps].tobytes()) is not node:
+            return "not linked from its parent"
         kids = node.children.values()
-        _require(node.device_children == sum(c.on_device for c in kids), f"{node!r} device kids")
-        _require(node.host_children == sum(c.on_host for c in kids), f"{node!r} host kids")
-        _require(node.lock_ref >= sum(c.lock_ref for c in kids), f"{node!r} lock below children")
-        _require((node.device_state is DeviceState.LOADING) == (node.load_op is not None),
-                 f"{node!r} loading without an op")
-        _require((node.host_state is HostState.WRITING) == (node.write_op is not None),
-                 f"{node!r} writing without an op")
+        checks = (
+            (len(node.key) == node.num_pages * ps and node.num_pages > 0,
+             "key length disagrees with its pages"),
+            ((node.device_pages is None) == (not node.on_device), "device state vs pages"),
+            ((node.host_pages is None) == (not node.on_host), "host state vs pages"),
+            (node.on_device or node.on_host, "holds KV in no tier"),
+            (all(p is None or len(p) == node.num_pages
+                 for p in (node.device_pages, node.host_pages)), "page counts differ"),
+            (parent is self.root or parent.on_device or not node.on_device,
+             "device residency not prefix-closed"),
+            (parent is self.root or parent.on_host or not node.on_host,
+             "host residency not prefix-closed"),
+            (node.device_children == sum(c.on_device for c in kids), "device child count"),
+            (node.host_children == sum(c.on_host for c in kids), "host child count"),
+            (node.lock_ref >= sum(c.lock_ref for c in kids), "lock_ref below its children's"),
+            ((node.device_state is DeviceState.LOADING) == (node.load_op is not None),
+             "LOADING iff owned by a load"),
+            ((node.host_state is HostState.WRITING) == (node.write_op is not None),
+             "WRITING iff owned by a write"),
+        )
+        return next((message for ok, message in checks if not ok), "")
 
 
 def as_token_array(tokens: Tokens | Sequence[int]) -> Tokens:
