@@ -138,6 +138,9 @@ _POLICIES = ("write_through", "write_through_selective", "write_back")
               help="With --time timestamps: replay this many times faster than recorded.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests in flight at once (1: sequential, deterministic).")
+@click.option("--settle/--no-settle", default=True, show_default=True,
+              help="Sequential replays: let each request's copies settle before the next "
+                   "(same numbers every run).")
 @click.option("--sweep", default=None,
               help="Comma-separated L1 capacities: print the hit-ratio curve.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
@@ -148,7 +151,7 @@ _POLICIES = ("write_through", "write_through_selective", "write_back")
 def replay(trace: str, limit: int | None, model: str, layers: int | None,
            kv_heads: int | None, head_dim: int | None, dtype: str, kv_scale: int, l1: str,
            l2: str, page_size: int, write_policy: str, eviction: str, host_layout: str,
-           time_mode: str, speedup: float, concurrency: int, sweep: str | None,
+           time_mode: str, speedup: float, concurrency: int, settle: bool, sweep: str | None,
            plot: str | None, as_json: bool, no_progress: bool, loop: str) -> None:
     """Replay a serving trace through a real cache and report what each tier served.
 
@@ -165,7 +168,7 @@ def replay(trace: str, limit: int | None, model: str, layers: int | None,
                                        field_name="l2"),
             write_policy=write_policy, eviction=eviction,  # type: ignore[arg-type]
             host_layout=host_layout, time_mode=time_mode,  # type: ignore[arg-type]
-            speedup=speedup, concurrency=concurrency)
+            speedup=speedup, concurrency=concurrency, settle=settle)
         configs = [base] if sweep is None else sweep_configs(base, [
             parse_capacity(x, bytes_per_token=spec.bytes_per_token, field_name="sweep")
             for x in sweep.split(",") if x.strip()])

@@ -100,3 +100,12 @@ def test_cli_replay_rejects_bad_options_clearly() -> None:
     assert result.exit_code == 2 and "l1:" in result.output
     result = CliRunner().invoke(cli, ["replay", "no/such/trace.jsonl", "--no-progress"])
     assert result.exit_code == 2
+
+
+async def test_settled_sequential_replays_are_deterministic() -> None:
+    requests = load_trace("mooncake", limit=300)
+    config = ReplayConfig(spec=MODELS["llama3-8b"], kv_scale=64, device_tokens=300_000,
+                          host_tokens=1_000_000)  # 2 KiB/token: copies go to the threads
+    first, second = [await replay(config, requests) for _ in range(2)]
+    assert (first.l1_tokens, first.l2_tokens, first.bytes_h2d, first.bytes_d2h) == (
+        second.l1_tokens, second.l2_tokens, second.bytes_h2d, second.bytes_d2h)

@@ -112,8 +112,11 @@ class ReplayConfig:
     """``fast``: as fast as possible; ``timestamps``: honour arrival times / `speedup`."""
     speedup: float = 1.0
     concurrency: int = 1
-    """Requests in flight at once (``fast``); a cap on it (``timestamps``). 1 = sequential,
-    deterministic order."""
+    """Requests in flight at once (``fast``); a cap on it (``timestamps``). 1 = sequential."""
+    settle: bool = True
+    """With ``fast`` and concurrency 1: wait for each request's copies to settle before the
+    next starts, so a replay gives the same numbers every run. Off, copies overlap the next
+    requests as in a server, and which pages are still in flight at an eviction varies."""
 
     def __post_init__(self) -> None:
         if self.time_mode not in ("fast", "timestamps"):
@@ -208,7 +211,11 @@ async def replay(config: ReplayConfig, requests: Sequence[Request], *,
 
     async with HiCache(cache_config) as cache, LoopLagProbe() as probe:
         start = time.perf_counter()
-        if config.time_mode == "fast":
+        if config.time_mode == "fast" and config.concurrency == 1 and config.settle:
+            for request in requests:
+                await serve(request)
+                await cache.drain()
+        elif config.time_mode == "fast":
             await _run_fast(serve, requests, config.concurrency)
         else:
             await _run_timed(serve, requests, config)
