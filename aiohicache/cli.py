@@ -74,10 +74,10 @@ def bench() -> None:
 @bench.command("core")
 @click.option("--quick", is_flag=True, help="Small sizes: seconds, for smoke tests.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, not tables.")
-@click.option("--torch-threads", type=click.IntRange(min=1), default=None,
-              help="torch.set_num_threads() first (default: leave torch's choice).")
+@click.option("--torch-threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="torch.set_num_threads() first; 1 matches the CPU engine's copy threads.")
 @loop_option
-def bench_core(quick: bool, as_json: bool, torch_threads: int | None, loop: str) -> None:
+def bench_core(quick: bool, as_json: bool, torch_threads: int, loop: str) -> None:
     """Copy GB/s, loop lag under load, hit overhead.
 
     Three sections in one run: CPU page copy (gather/scatter) against one contiguous copy;
@@ -86,8 +86,7 @@ def bench_core(quick: bool, as_json: bool, torch_threads: int | None, loop: str)
     """
     sizes = QUICK if quick else FULL
     factory = loop_factory(loop)
-    if torch_threads is not None:
-        torch.set_num_threads(torch_threads)
+    torch.set_num_threads(torch_threads)
     if not as_json:
         run_core(sizes, loop_factory=factory, echo=click.echo)
         return
