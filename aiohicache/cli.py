@@ -18,6 +18,7 @@ from tqdm import tqdm
 from . import __version__
 from .api import FetchContext, HiCache
 from .bench import FULL, QUICK, run_core
+from .bench.tree import bench_tree, format_tree
 from .config import HiCacheConfig, KVSpec
 from .errors import ConfigError
 from .replay import Request, load_trace
@@ -92,6 +93,21 @@ def bench_core(quick: bool, as_json: bool, torch_threads: int, loop: str) -> Non
         return
     report = run_core(sizes, loop_factory=factory)
     click.echo(json.dumps(dataclasses.asdict(report), indent=2))
+
+
+@bench.command("tree")
+@click.argument("trace", default="mooncake")
+@click.option("--limit", type=click.IntRange(min=1), default=None)
+@click.option("--capacity", default="10.24M", show_default=True, help="Tokens.")
+@click.option("--page-size", type=click.IntRange(1, 256), default=16, show_default=True)
+def bench_tree_cmd(trace: str, limit: int | None, capacity: str, page_size: int) -> None:
+    """Radix-tree bookkeeping per request on a trace (no transfers)."""
+    try:
+        tokens = parse_capacity(capacity, bytes_per_token=1, field_name="capacity")
+        requests = load_trace(trace, limit=limit)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    click.echo(format_tree(bench_tree(requests, capacity_tokens=tokens, page_size=page_size)))
 
 
 @cli.command()

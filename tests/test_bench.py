@@ -143,3 +143,11 @@ def test_gc_pauses_records_collections() -> None:
         gc.collect()
     assert pauses.count >= 1 and pauses.max_ms > 0
     assert pauses._callback not in gc.callbacks
+
+
+def test_bench_tree_reports_per_request_bookkeeping() -> None:
+    from aiohicache.cli import cli as main_cli
+    result = CliRunner().invoke(main_cli, ["bench", "tree", "--limit", "100",
+                                           "--capacity", "200k"])
+    assert result.exit_code == 0, result.output
+    assert "us/request" in result.output and "hit ratio" in result.output
