@@ -254,22 +254,11 @@ async def _serve(cache: HiCache, request: Request) -> bool:
 
 async def _run_fast(serve: Callable[[Request], Any], requests: Sequence[Request],
                     concurrency: int) -> None:
-    if concurrency == 1:
-        for request in requests:
-            await serve(request)
-        return
     limit = anyio.Semaphore(concurrency)
-
-    async def one(request: Request) -> None:
-        try:
-            await serve(request)
-        finally:
-            limit.release()
-
     async with anyio.create_task_group() as tg:
         for request in requests:
             await limit.acquire()
-            tg.start_soon(one, request)
+            tg.start_soon(_release_after, serve, request, limit)
 
 
 async def _run_timed(serve: Callable[[Request], Any], requests: Sequence[Request],
@@ -277,20 +266,21 @@ async def _run_timed(serve: Callable[[Request], Any], requests: Sequence[Request
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     limit = anyio.Semaphore(config.concurrency if config.concurrency > 1 else 1_000_000)
-
-    async def one(request: Request) -> None:
-        try:
-            await serve(request)
-        finally:
-            limit.release()
-
     async with anyio.create_task_group() as tg:
         for request in sorted(requests, key=lambda r: r.arrival):
             delay = t0 + request.arrival / config.speedup - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
             await limit.acquire()
-            tg.start_soon(one, request)
+            tg.start_soon(_release_after, serve, request, limit)
+
+
+async def _release_after(serve: Callable[[Request], Any], request: Request,
+                         limit: anyio.Semaphore) -> None:
+    try:
+        await serve(request)
+    finally:
+        limit.release()
 
 
 def sweep_configs(base: ReplayConfig, device_tokens: Sequence[int]) -> list[ReplayConfig]:
