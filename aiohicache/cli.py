@@ -95,6 +95,22 @@ def bench_core(quick: bool, as_json: bool, torch_threads: int, loop: str) -> Non
     click.echo(json.dumps(dataclasses.asdict(report), indent=2))
 
 
+@bench.command("storage")
+@click.option("--quick", is_flag=True, help="Small sizes: seconds, for smoke tests.")
+def bench_storage_cmd(quick: bool) -> None:
+    """File L3 vs raw sequential disk I/O of the same bytes; page-key hashing tokens/s."""
+    from .bench.storage import run_storage_bench
+    click.echo(run_storage_bench(quick))
+
+
+@bench.command("redis")
+@click.option("--quick", is_flag=True, help="Small sizes: seconds, for smoke tests.")
+def bench_redis_cmd(quick: bool) -> None:
+    """Redis L3 vs a raw redis-py pipeline of the same payloads (starts its own server)."""
+    from .bench.redis import run_redis_bench
+    click.echo(run_redis_bench(quick))
+
+
 @bench.command("tree")
 @click.argument("trace", default="mooncake")
 @click.option("--limit", type=click.IntRange(min=1), default=None)

@@ -7,7 +7,10 @@
      ├─ PageError (ValueError)        page ids handed back are foreign or already free
  ├─ InvariantError (AssertionError)  internal state is inconsistent: a bug, report it
      ├─ WorkerError                   a background worker failed for good; the cache is degraded
-     └─ TransferError                 moving bytes between tiers failed
+     ├─ TransferError                 moving bytes between tiers failed
+ └─ StorageError                  the L3 backend failed (a miss for the request, never wrong KV)
+     ├─ StorageReadError          reading (exists, get) failed
+     └─ StorageWriteError         writing (set, delete) failed
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ __all__ = (
     "HiCacheError",
     "InvariantError",
     "PageError",
+    "StorageError",
+    "StorageReadError",
+    "StorageWriteError",
     "TransferError",
     "WorkerError",
 )
@@ -54,3 +60,15 @@ class TransferError(HiCacheError):
 
 class PageError(HiCacheError, ValueError):
     """Page or slot ids handed back are foreign to the pool, or not allocated (double free)."""
+
+
+class StorageError(HiCacheError):
+    """The storage backend failed; the message names the backend and the cause."""
+
+
+class StorageReadError(StorageError):
+    """Reading from the storage backend failed."""
+
+
+class StorageWriteError(StorageError):
+    """Writing to the storage backend failed."""

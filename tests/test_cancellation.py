@@ -76,10 +76,10 @@ class GatedEngine(CpuTransferEngine):
         self.write_handles.append(handle)
         return handle
 
-    def _run(self, stream: Any, plan: Any, handle: TransferHandle,
+    def _run(self, src: PageIds, dst: PageIds, handle: TransferHandle,
              loop: asyncio.AbstractEventLoop, to_device: bool) -> None:
         (self.loads if to_device else self.writes).wait()
-        super()._run(stream, plan, handle, loop, to_device)
+        super()._run(src, dst, handle, loop, to_device)
 
 
 @asynccontextmanager
@@ -99,12 +99,25 @@ async def gated_cache(**overrides: Any) -> AsyncIterator[tuple[HiCache, GatedEng
         raise
     finally:
         engine.open_gates()
+        settled = False
         try:
-            async with asyncio.timeout(SETTLE_LIMIT):
-                await cache.aclose()
+            async with asyncio.timeout(0.5 if failed else SETTLE_LIMIT):
+                await cache.drain()
+            settled = True
         except TimeoutError:
             if not failed:
-                pytest.fail("aclose() hung: a transfer was lost")
+                pytest.fail("drain() never returned: a planned transfer was lost")
+        finally:
+            if not settled:
+                abandon_transfers(cache)
+            await cache.aclose()
+
+
+def abandon_transfers(cache: HiCache) -> None:
+    """After a failure that lost a transfer: let `aclose()` skip waiting (60 s) for it."""
+    async def return_at_once() -> None:
+        pass
+    cache.controller.drain = return_at_once  # type: ignore[method-assign]
 
 
 # ------------------------------------------------------------------------------ cancelling
@@ -541,6 +554,43 @@ async def test_commit_cancelled_while_its_write_through_is_queued_still_writes(
         for tokens in SEQS:  # fill the write queue until a commit has to wait for room
             flights.append(await launch(request(tokens), how))
             if tokens in committing and tokens not in committed:
+                break
+        else:
+            pytest.fail("the write queue never filled up")
+        blocked = flights.pop()
+        blocked.cancel()
+        await anyio.wait_all_tasks_blocked()
+        engine.writes.set()
+        await blocked.cancelled()
+        for other in flights:
+            assert await other.outcome() == "completed"
+        await assert_clean(cache)
+        written = SEQS[:len(flights) + 1]
+        assert cache.stats().host_pages_used == len(written), "a write-through was dropped"
+        await evict_all(cache)
+        await assert_fetch_returns_computed_kv(cache, *written)
+
+
+async def test_request_cancelled_while_queueing_the_write_through_its_hit_started(
+        how: How) -> None:
+    """`FetchContext.__aenter__` cancelled while queueing a write-through (selective policy:
+    the fetch is the hit that reaches the threshold; the write queue is full): the write is
+    still queued and settles, the request unpins, and the host copy loads back intact."""
+    async with gated_cache(write_policy="write_through_selective") as (cache, engine):
+        for tokens in SEQS:
+            await prefill(cache, tokens)  # one hit each: nothing written yet
+        assert cache.stats().host_pages_used == 0
+        engine.writes.clear()
+        entered: list[list[int]] = []
+
+        async def request(tokens: list[int]) -> None:
+            async with cache.fetch(tokens):  # the second hit: starts the write-through
+                entered.append(tokens)
+
+        flights = []
+        for tokens in SEQS:  # fill the write queue until a fetch has to wait for room
+            flights.append(await launch(request(tokens), how))
+            if tokens not in entered:
                 break
         else:
             pytest.fail("the write queue never filled up")

@@ -125,8 +125,10 @@ class StorageBackend(Protocol):
     Batches may partly succeed: results are per key.
 
     Cancellation: a cancelled call leaves every object either fully written or absent (no
-    torn objects: writes are atomic per object), and writes nothing into a buffer whose
-    result it did not return.
+    torn objects: writes are atomic per object). A cancelled read may still have filled some
+    buffers, each with a whole verified page, before the cancellation surfaces; nothing is
+    written into a buffer after the call ends. (Holding a whole batch back to copy it on the
+    event loop instead costs far more loop time than it buys.)
     """
 
     fmt: PageFormat

@@ -1,0 +1,183 @@
+"""A throwaway ``redis-server`` on a free loopback port, for the tests and ``bench redis``.
+
+    with RedisServer(password="s3cret") as server:
+        backend = RedisBackend(server.url(db=1), fmt)
+
+Nothing is persisted: the server runs in a temporary directory with snapshots and the append
+only file off, and the directory is removed when it stops.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+from urllib.parse import quote
+
+__all__ = ("RedisServer", "RedisServerError")
+
+_HOST = "127.0.0.1"
+_START_ATTEMPTS = 5  # a free port can be taken between choosing it and binding it
+
+
+class RedisServerError(RuntimeError):
+    """redis-server is missing, or did not start; the message says which and why."""
+
+
+class RedisServer:
+    """One ``redis-server`` process owned by this object (sync: it only spawns and waits).
+
+    `start` picks a free port, runs the server with ``--bind 127.0.0.1 --save ""
+    --appendonly no`` in a temporary directory and waits until it answers PING; `stop` ends
+    it. `kill`, `pause` and `resume` simulate failures (SIGKILL, SIGSTOP, SIGCONT).
+    """
+
+    def __init__(self, *, password: str | None = None, executable: str = "redis-server",
+                 extra_args: tuple[str, ...] = ()) -> None:
+        self.password = password
+        """Set with ``--requirepass`` (the default user's password) when not None."""
+        self.executable = executable
+        self.extra_args = extra_args
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<RedisServer {_HOST}:{self.port} {state}>"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def url(self, *, db: int = 0, username: str | None = None,
+            password: str | None = None) -> str:
+        """A ``redis://`` URL of this server; `password` defaults to the server's."""
+        password = self.password if password is None else password
+        auth = ""
+        if password is not None:
+            auth = f"{quote(username or '', safe='')}:{quote(password, safe='')}@"
+        return f"redis://{auth}{_HOST}:{self.port}/{db}"
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Start the server and wait until it answers PING.
+
+        Raises:
+            RedisServerError: redis-server is not installed, or did not come up in `timeout`.
+        """
+        if self.running:
+            raise RuntimeError("the server is already running")
+        path = shutil.which(self.executable)
+        if path is None:
+            raise RedisServerError(
+                f"{self.executable!r} not found on PATH: install it (Debian/Ubuntu: apt-get "
+                "install redis-server); the Redis tests and benchmark need a real server")
+        self._dir = tempfile.TemporaryDirectory(prefix="aiohicache-redis-")
+        for _ in range(_START_ATTEMPTS):
+            if self._spawn(path, timeout):
+                return
+        tail = self._log_tail()
+        self.stop()
+        raise RedisServerError(f"redis-server did not start: {tail}")
+
+    def _spawn(self, path: str, timeout: float) -> bool:
+        """One try on a fresh port: True once it answers, False if the port was taken."""
+        assert self._dir is not None
+        self.port = _free_port()
+        args = [path, "--port", str(self.port), "--bind", _HOST, "--save", "",
+                "--appendonly", "no", "--dir", self._dir.name, "--logfile", "redis.log",
+                *(("--requirepass", self.password) if self.password is not None else ()),
+                *self.extra_args]
+        with open(Path(self._dir.name, "stderr.log"), "ab") as err:  # errors before the log
+            self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=err,
+                                          stderr=err)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:  # exited: most likely the port was taken
+                self._proc = None
+                return False
+            if _answers_ping(self.port):
+                return True
+            time.sleep(0.01)
+        tail = self._log_tail()
+        self.stop()
+        raise RedisServerError(f"redis-server gave no answer within {timeout} s: {tail}")
+
+    def _log_tail(self) -> str:
+        """The last lines the server wrote (its log, and stderr for errors before it)."""
+        if self._dir is None:
+            return "(no log)"
+        lines: list[str] = []
+        for name in ("stderr.log", "redis.log"):
+            path = Path(self._dir.name, name)
+            if path.exists():
+                lines += path.read_text(errors="replace").splitlines()[-5:]
+        return " | ".join(line.strip() for line in lines if line.strip()) or "(no log)"
+
+    def stop(self) -> None:
+        """End the server (SIGTERM, then SIGKILL after 5 s) and remove its directory."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                _signal(proc, signal.SIGCONT)  # a paused server cannot act on SIGTERM
+                proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash); its port then refuses connections."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def pause(self) -> None:
+        """SIGSTOP the server: connections stay open but nothing answers (a hang)."""
+        if self._proc is not None:
+            _signal(self._proc, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None:
+            _signal(self._proc, signal.SIGCONT)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((_HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _answers_ping(port: int) -> bool:
+    """Whether a server on `port` answers an inline PING (``-NOAUTH`` counts as an answer)."""
+    try:
+        with socket.create_connection((_HOST, port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
+    except OSError:
+        return False
+
+
+def _signal(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, sig)

@@ -1,0 +1,65 @@
+"""Redis for the tests: one real redis-server per test process, and raw access to it.
+
+`shared_server()` starts it on first use (the conformance factory calls it; so does the
+`redis_server` fixture) and it stops when the process exits. Redis-backed tests never skip:
+without redis-server on PATH they fail, with a message saying how to install it.
+"""
+
+from __future__ import annotations
+
+import atexit
+
+import pytest
+import redis
+
+from aiohicache._redis_server import RedisServer, RedisServerError
+
+__all__ = ("corrupt_object", "raw_client", "redis_server", "redis_url", "shared_server",
+           "started")
+
+_shared: RedisServer | None = None
+
+
+def started(server: RedisServer) -> RedisServer:
+    """`server`, started; a missing or broken redis-server fails the test (never a skip)."""
+    try:
+        server.start()
+    except RedisServerError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    return server
+
+
+def shared_server() -> RedisServer:
+    """The process's redis-server (no password), started on first use; never kill it."""
+    global _shared
+    if _shared is None or not _shared.running:
+        _shared = started(RedisServer())
+        atexit.register(_shared.stop)
+    return _shared
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> RedisServer:
+    """`shared_server()`, as a fixture."""
+    return shared_server()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The session server's URL (db 0), every database emptied first."""
+    with raw_client(redis_server.url()) as client:
+        client.flushall()
+    return redis_server.url()
+
+
+def raw_client(url: str) -> redis.Redis:
+    """A plain synchronous client (use it in a ``with`` block: it must be closed)."""
+    return redis.Redis.from_url(url, socket_timeout=5)
+
+
+def corrupt_object(url: str, name: str) -> None:
+    """Flip every bit of the last payload byte of the object stored under `name`."""
+    with raw_client(url) as client:
+        blob = client.get(name)
+        assert isinstance(blob, bytes), f"nothing stored under {name!r}"
+        client.set(name, blob[:-1] + bytes([blob[-1] ^ 0xFF]))
