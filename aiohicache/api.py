@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import warnings
@@ -27,6 +28,7 @@ from ._concurrency import finish_then_cancel
 from .config import HiCacheConfig
 from .controller import Controller, LoadJob
 from .errors import ClosedError, ConfigError, InvariantError, PageError
+from .l3 import StorageTier
 from .memory import DevicePool, HostPool, PageIds
 from .memory._allocator import has_repeats
 from .radix import DeviceState, Match, Node, RadixTree
@@ -44,7 +46,7 @@ TokenInput = Sequence[int] | torch.Tensor | np.ndarray
 class CacheStats:
     """A snapshot of the cache's counters; tokens unless a name says otherwise.
 
-    The hit ratio of a workload is ``(device_hit_tokens + host_hit_tokens) / prompt_tokens``.
+    The hit ratio of a workload is ``(device + host + storage hit tokens) / prompt_tokens``.
     """
 
     requests: int
@@ -53,6 +55,8 @@ class CacheStats:
     """Prompt tokens already on the device (L1) when fetched."""
     host_hit_tokens: int
     """Prompt tokens loaded back from the host (L2), by this fetch or one it joined."""
+    storage_hit_tokens: int
+    """Prompt tokens prefetched from storage (L3) for this request, then loaded back."""
     miss_tokens: int
     """Prompt tokens the engine has to compute."""
     loaded_bytes: int
@@ -73,10 +77,12 @@ class CacheStats:
     num_nodes: int
     worker_restarts: int
     health: Literal["ok", "degraded", "failed"]
+    storage: dict[str, int | str] | None = None
+    """L3 counters (prefetched / backed-up pages, misses, errors, breaker state), if any."""
 
     @property
     def hit_ratio(self) -> float:
-        hits = self.device_hit_tokens + self.host_hit_tokens
+        hits = self.device_hit_tokens + self.host_hit_tokens + self.storage_hit_tokens
         return hits / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
@@ -86,6 +92,7 @@ class _Counters:
     prompt_tokens: int = 0
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
 
 
 class HiCache:
@@ -107,6 +114,8 @@ class HiCache:
                               device_alloc=self.device_pool.allocator,
                               host_alloc=self.host_pool.allocator, eviction=config.eviction)
         self._engine = engine
+        self.storage = StorageTier(config, self.tree, self.host_pool) \
+            if config.storage is not None else None
         self._controller: Controller | None = None
         self._runner: asyncio.Task[None] | None = None
         self._leased = np.zeros(config.device_pages, dtype=np.int64)  # page -> owner, 0 = none
@@ -128,7 +137,7 @@ class HiCache:
         if self._state != "new":
             raise ClosedError("a HiCache can be opened once")
         engine = self._engine or self._default_engine()
-        self._controller = Controller(self.config, self.tree, engine)
+        self._controller = Controller(self.config, self.tree, engine, storage=self.storage)
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._runner = asyncio.create_task(self._run(started), name="aiohicache-workers")
         self._state = "open"
@@ -183,6 +192,8 @@ class HiCache:
         await asyncio.gather(self._runner, return_exceptions=True)
         await ctl.close_receivers()
         await ctl.engine.aclose()
+        if self.storage is not None:
+            await self.storage.aclose()
         self._state = "closed"
 
     def __del__(self, _warn: object = warnings.warn) -> None:
@@ -291,12 +302,15 @@ class HiCache:
         health: Literal["ok", "degraded", "failed"] = "ok"
         if ctl is not None and ctl.failure is not None:
             health = "failed"
-        elif tc is not None and tc.worker_restarts:
+        elif (tc is not None and tc.worker_restarts) or (
+                self.storage is not None and self.storage.degraded):
             health = "degraded"
         return CacheStats(
             requests=c.requests, prompt_tokens=c.prompt_tokens,
             device_hit_tokens=c.device_hit_tokens, host_hit_tokens=c.host_hit_tokens,
-            miss_tokens=c.prompt_tokens - c.device_hit_tokens - c.host_hit_tokens,
+            storage_hit_tokens=c.storage_hit_tokens,
+            miss_tokens=(c.prompt_tokens - c.device_hit_tokens - c.host_hit_tokens
+                         - c.storage_hit_tokens),
             loaded_bytes=tc.loaded_bytes if tc else 0, written_bytes=tc.written_bytes if tc else 0,
             loads=tc.loads if tc else 0, writes=tc.writes if tc else 0,
             merged_loads=tc.load_merges if tc else 0, merged_writes=tc.write_merges if tc else 0,
@@ -306,7 +320,16 @@ class HiCache:
             device_pages_used=dev.num_used, device_pages_free=dev.num_free,
             device_pages_leased=self._num_leased, host_pages_used=host.num_used,
             host_pages_free=host.num_free, num_nodes=t.num_nodes,
-            worker_restarts=tc.worker_restarts if tc else 0, health=health)
+            worker_restarts=tc.worker_restarts if tc else 0, health=health,
+            storage=self._storage_stats())
+
+    def _storage_stats(self) -> dict[str, int | str] | None:
+        if self.storage is None:
+            return None
+        out: dict[str, int | str] = dict(dataclasses.asdict(self.storage.counters))
+        out["breaker"] = self.storage.breaker.state.value
+        out["corrupt"] = self.storage.backend.stats().corrupt
+        return out
 
     async def drain(self) -> None:
         """Wait until every queued and in-flight transfer has settled.
@@ -314,6 +337,9 @@ class HiCache:
         Cancellation: only the wait is cancelled.
         """
         await self.controller.drain()
+        if self.storage is not None:
+            await self.storage.drain()
+            await self.controller.drain()  # backups may have queued nothing new; settle all
 
     def check_invariants(self) -> None:
         """Assert the cache's internal consistency; raise `InvariantError` if broken.
@@ -333,7 +359,8 @@ class HiCache:
                 raise InvariantError(f"{alloc!r}: free + used != capacity")
         nodes = list(self.tree.iter_nodes())
         tree_dev = _ids([n.device_pages for n in nodes])
-        tree_host = _ids([n.host_pages for n in nodes])
+        tree_host = _ids([n.host_pages for n in nodes]
+                         + (list(self.storage.reserved_host.values()) if self.storage else []))
         leased = np.flatnonzero(self._leased != 0)
         if len(leased) != self._num_leased or np.intersect1d(leased, tree_dev).size:
             raise InvariantError("leased pages disagree with the lease count or the tree")
@@ -349,6 +376,9 @@ class HiCache:
             for n in node.path_to_root():
                 locks[n.id] = locks.get(n.id, 0) + 1
         host_refs: dict[int, int] = {}
+        for group in self.storage.backup_holds() if self.storage is not None else ():
+            for n in group:
+                host_refs[n.id] = host_refs.get(n.id, 0) + 1
         if self._controller is not None:
             for job in self._controller.inflight_jobs():
                 if isinstance(job, LoadJob):
@@ -404,6 +434,8 @@ class FetchContext:
         self.num_cached_tokens = 0
         self.num_device_hit_tokens = 0
         self.num_host_hit_tokens = 0
+        self.num_storage_hit_tokens = 0
+        self._storage_pages = 0
         self._pages: PageIds = np.empty(0, dtype=np.int64)
         self._jobs: list[LoadJob] = []
         self._pin: int | None = None
@@ -434,6 +466,8 @@ class FetchContext:
         if len(self.tokens) == 0:
             raise ConfigError("tokens: must not be empty")
         match = cache.tree.match(self.tokens)
+        if cache.storage is not None:
+            match = await self._prefetch(match)
         self._pin = cache._pin(match.last_device_node)
         try:
             job = ctl.plan_load(match)
@@ -447,6 +481,18 @@ class FetchContext:
             self._release()
             raise
         return self
+
+    async def _prefetch(self, match: Match) -> Match:
+        """Ask L3 for the pages after the L1+L2 match, wait per policy, match again."""
+        storage = self._cache.storage
+        assert storage is not None
+        job = storage.plan_prefetch(self.tokens, match.path)
+        if job is None:
+            return match
+        await storage.wait(job, len(self.tokens) - job.start_page * storage.config.page_size)
+        if job.done.is_set():
+            self._storage_pages = job.inserted
+        return self._cache.tree.match(self.tokens, touch=False)
 
     def _adopt(self, match: Match, job: LoadJob | None) -> None:
         """Record the device prefix (resident, loading, and our own loads) and pin it."""
@@ -463,12 +509,15 @@ class FetchContext:
         resident = sum(n.num_pages for n in match.device_nodes
                        if n.device_state is DeviceState.RESIDENT) * ps
         self.num_device_hit_tokens = resident
-        self.num_host_hit_tokens = self.num_cached_tokens - resident
+        self.num_storage_hit_tokens = min(self._storage_pages * ps,
+                                          self.num_cached_tokens - resident)
+        self.num_host_hit_tokens = self.num_cached_tokens - resident - self.num_storage_hit_tokens
         c = cache._counters
         c.requests += 1
         c.prompt_tokens += len(self.tokens)
         c.device_hit_tokens += resident
         c.host_hit_tokens += self.num_host_hit_tokens
+        c.storage_hit_tokens += self.num_storage_hit_tokens
 
     @property
     def _pin_key(self) -> int:
@@ -574,7 +623,10 @@ class FetchContext:
         self._leases = [kept for p in self._leases
                         if len(kept := p[cache._leased[p] == self._owner])]
         all_pages = np.concatenate([self._pages, pages[:new_full]])
-        res = cache.tree.insert(toks[:num_full * ps], all_pages, start_page=len(self._pages))
+        hashes = cache.storage.keys(toks[:num_full * ps], self._path()) \
+            if cache.storage is not None else None
+        res = cache.tree.insert(toks[:num_full * ps], all_pages, start_page=len(self._pages),
+                                hashes=hashes)
         for dup in res.duplicate_pages:
             cache.device_pool.allocator.free(dup)
         self._tail = None
@@ -595,6 +647,13 @@ class FetchContext:
         wt = ctl.plan_write_through(res.last_node)
         if wt is not None:
             await ctl.submit_write(wt)
+
+    def _path(self) -> list[Node]:
+        """The pinned prefix's nodes, root first."""
+        node = self._cache._pins.get(self._pin_key)
+        if node is None or node is self._cache.tree.root:
+            return []
+        return node.path_to_root()[::-1]
 
     def _check_commit(self, toks: Tokens, slots: torch.Tensor) -> PageIds:
         cached, common = self.num_cached_tokens, min(len(toks), len(self.tokens))

@@ -21,6 +21,7 @@ HostLayout = Literal["layer_first", "page_first"]
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 IOBackend = Literal["auto", "cpu", "kernel", "direct"]
 Eviction = Literal["lru", "lfu"]
+PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -58,6 +59,17 @@ def _positive_int(name: str, value: object, *, upper: int | None = None) -> None
         raise ConfigError(f"{name}: must be a positive int, got {value!r}")
     if upper is not None and value > upper:
         raise ConfigError(f"{name}: must be at most {upper}, got {value!r}")
+
+
+def _non_negative_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name}: must be an int >= 0, got {value!r}")
+
+
+def _non_negative_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{name}: must be a finite number >= 0, got {value!r}")
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -203,6 +215,31 @@ class HiCacheConfig:
     """Write jobs queued or in flight before new commits wait (backpressure)."""
     max_worker_restarts: int = 3
     """Times a crashed worker is restarted before the cache reports itself failed."""
+    storage: object = None
+    """L3: None, a URL (``memory://``, ``file:///dir``, ``redis://[user:pass@]host:port/db``,
+    ``rediss://...``) or an object implementing `aiohicache.storage.StorageBackend`."""
+    prefetch_policy: PrefetchPolicy = "timeout"
+    """How long a fetch waits for its L3 prefetch: not at all (``best_effort``), until done
+    (``wait_complete``), or up to ``min(max, base + per_1k_tokens * tokens / 1024)`` s."""
+    prefetch_threshold: int = 256
+    """Tokens past the L1+L2 match below which L3 is not asked."""
+    prefetch_timeout_base: float = 2.0
+    prefetch_timeout_per_1k_tokens: float = 0.1
+    prefetch_timeout_max: float = 30.0
+    prefetch_host_fraction: float = 0.5
+    """Share of the host pool that prefetches in flight may hold."""
+    storage_miss_ttl: float = 5.0
+    """Seconds a prefix L3 did not have is not asked for again (negative cache)."""
+    backup_threshold: int = 1
+    """Hits a node needs before its settled host copy is backed up to L3."""
+    backup_max_inflight_bytes: int = 256 << 20
+    """Bytes of backups in flight at once."""
+    storage_failures_to_open: int = 5
+    """Consecutive L3 failures after which L3 is bypassed for `storage_cooldown` seconds."""
+    storage_cooldown: float = 10.0
+    tp_rank: int = 0
+    """This rank's shard (part of storage keys)."""
+    tp_size: int = 1
     extra: dict[str, object] = field(default_factory=dict)
     """Free-form settings for plug-ins; ignored by the core."""
 
@@ -232,10 +269,37 @@ class HiCacheConfig:
             raise ConfigError(f"namespace: must be a non-empty str, got {self.namespace!r}")
         _positive_int("max_inflight_loads", self.max_inflight_loads)
         _positive_int("max_inflight_writes", self.max_inflight_writes)
+        self._check_storage()
         if isinstance(self.max_worker_restarts, bool) or not isinstance(
                 self.max_worker_restarts, int) or self.max_worker_restarts < 0:
             raise ConfigError(
                 f"max_worker_restarts: must be an int >= 0, got {self.max_worker_restarts!r}")
+
+    def _check_storage(self) -> None:
+        if self.storage is not None and not isinstance(self.storage, str) and not all(
+                hasattr(self.storage, m) for m in ("exists", "get_into", "set_from", "aclose")):
+            raise ConfigError("storage: must be None, a URL or a StorageBackend object")
+        _choice("prefetch_policy", self.prefetch_policy,
+                ("best_effort", "wait_complete", "timeout"))
+        _non_negative_int("prefetch_threshold", self.prefetch_threshold)
+        for name in ("prefetch_timeout_base", "prefetch_timeout_per_1k_tokens",
+                     "prefetch_timeout_max", "storage_miss_ttl", "storage_cooldown"):
+            _non_negative_number(name, getattr(self, name))
+        frac = self.prefetch_host_fraction
+        if isinstance(frac, bool) or not isinstance(frac, int | float) or not 0 < frac <= 1:
+            raise ConfigError(f"prefetch_host_fraction: must be in (0, 1], got {frac!r}")
+        _positive_int("backup_threshold", self.backup_threshold)
+        _positive_int("backup_max_inflight_bytes", self.backup_max_inflight_bytes)
+        _positive_int("storage_failures_to_open", self.storage_failures_to_open)
+        _non_negative_int("tp_rank", self.tp_rank)
+        _positive_int("tp_size", self.tp_size)
+        if self.tp_rank >= self.tp_size:
+            raise ConfigError(f"tp_rank: {self.tp_rank} must be below tp_size {self.tp_size}")
+
+    def prefetch_timeout(self, num_tokens: int) -> float:
+        """Seconds a ``timeout``-policy fetch waits for an L3 prefetch of `num_tokens`."""
+        return min(self.prefetch_timeout_max, self.prefetch_timeout_base
+                   + self.prefetch_timeout_per_1k_tokens * num_tokens / 1024)
 
     def _check_host(self) -> None:
         if self.host_pages is not None and self.host_pages != 0:  # 0: no L2 tier

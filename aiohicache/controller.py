@@ -29,6 +29,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from ._concurrency import finish_then_cancel
 from .config import HiCacheConfig
 from .errors import CapacityError, WorkerError
+from .l3 import StorageTier
 from .memory import PageIds
 from .radix import DeviceState, Match, Node, PendingOp, RadixTree
 from .transfer import TransferEngine, TransferHandle
@@ -123,10 +124,12 @@ J = TypeVar("J", bound=_Job)
 class Controller:
     """Owns the tree's transfers: planning, the worker task group and settling."""
 
-    def __init__(self, config: HiCacheConfig, tree: RadixTree, engine: TransferEngine) -> None:
+    def __init__(self, config: HiCacheConfig, tree: RadixTree, engine: TransferEngine, *,
+                 storage: StorageTier | None = None) -> None:
         self.config = config
         self.tree = tree
         self.engine = engine
+        self.storage = storage
         self.counters = TransferCounters()
         self.failure: BaseException | None = None
         self.agree: Agree = lambda counts: counts  # replaced by the TP consensus tick
@@ -301,6 +304,8 @@ class Controller:
     async def run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         """Run the workers until cancelled; a crashing worker is restarted a few times."""
         async with anyio.create_task_group() as tg:
+            if self.storage is not None:
+                self.storage.start(tg)  # prefetch and backup tasks live in this group
             tg.start_soon(self._supervise, "load", self._load_worker)
             tg.start_soon(self._supervise, "write", self._write_worker)
             tg.start_soon(self._supervise, "settle", self._settle_worker)
@@ -404,6 +409,8 @@ class Controller:
             return
         for node in job.nodes:
             self.tree.end_write(node, demote=job.demote)
+        if self.storage is not None:
+            self.storage.queue_backup(job.nodes)
         if job.demote:
             self.demoting_pages -= job.num_pages
         self.counters.writes += 1

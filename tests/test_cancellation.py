@@ -18,6 +18,7 @@ scope. The cancellation must surface to the canceller (it may be deferred, never
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -632,7 +633,7 @@ def test_every_public_coroutine_is_covered() -> None:
     """This module names a test for each public coroutine; a new one needs a test here."""
     public = {f"{cls.__name__}.{name}" for cls in (HiCache, FetchContext, TransferHandle)
               for name, member in vars(cls).items()
-              if asyncio.iscoroutinefunction(member)
+              if inspect.iscoroutinefunction(member)
               and (not name.startswith("_") or name in ("__aenter__", "__aexit__"))}
     covered = {"HiCache.__aenter__", "HiCache.__aexit__", "HiCache.aclose", "HiCache.allocate",
                "HiCache.drain", "FetchContext.__aenter__", "FetchContext.__aexit__",

@@ -488,6 +488,18 @@ class WriteBackPageFirst(HiCacheMachine):
     LOOP_FACTORY = uvloop.new_event_loop
 
 
+class WriteBackLayerFirst(HiCacheMachine):
+    WRITE_POLICY = "write_back"
+    HOST_LAYOUT = "layer_first"
+    LOOP_FACTORY = asyncio.new_event_loop
+
+
+class SelectiveWriteThrough(HiCacheMachine):
+    WRITE_POLICY = "write_through_selective"
+    HOST_LAYOUT = "page_first"
+    LOOP_FACTORY = asyncio.new_event_loop
+
+
 class WriteThroughRacy(HiCacheMachine):
     WRITE_POLICY = "write_through"
     HOST_LAYOUT = "page_first"
@@ -500,18 +512,6 @@ class WriteBackRacy(HiCacheMachine):
     HOST_LAYOUT = "layer_first"
     LOOP_FACTORY = asyncio.new_event_loop
     SETTLE_BETWEEN_STEPS = False
-
-
-class WriteBackLayerFirst(HiCacheMachine):
-    WRITE_POLICY = "write_back"
-    HOST_LAYOUT = "layer_first"
-    LOOP_FACTORY = asyncio.new_event_loop
-
-
-class SelectiveWriteThrough(HiCacheMachine):
-    WRITE_POLICY = "write_through_selective"
-    HOST_LAYOUT = "page_first"
-    LOOP_FACTORY = asyncio.new_event_loop
 
 
 def _test_case(machine: type[HiCacheMachine]) -> Any:

@@ -81,7 +81,9 @@ class Node:
     write_op: PendingOp | None = None
     alive: bool = True
     hashes: list[bytes] | None = None
-    """Per-page storage keys, filled in lazily by the storage tier."""
+    """Per-page storage keys (chained page digests) when an L3 tier is configured."""
+    stored: list[bool] | None = None
+    """Per page: known to be in L3 (backed up or prefetched from there)."""
 
     def __repr__(self) -> str:
         return (f"<Node {self.id} pages={self.num_pages} device={self.device_state.value} "

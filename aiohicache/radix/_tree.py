@@ -176,7 +176,7 @@ class RadixTree:
     # ------------------------------------------------------------------ insert
 
     def insert(self, tokens: Tokens | Sequence[int], pages: PageIds, *,
-               start_page: int = 0) -> InsertResult:
+               start_page: int = 0, hashes: list[bytes] | None = None) -> InsertResult:
         """Insert `tokens` (whole pages) whose KV sits in device `pages` (one per page).
 
         Pages before `start_page` are the caller's matched prefix and already belong to the
@@ -200,6 +200,9 @@ class RadixTree:
             node = child
         if pos < len(tokens):
             leaf = self._add_leaf(node, tokens[pos:].copy(), pages[pos // ps:])
+            if hashes is not None:
+                leaf.hashes = hashes[pos // ps:]
+                leaf.stored = [False] * leaf.num_pages
             res.new_nodes.append(leaf)
             node = leaf
         res.last_node = node if node is not self.root else None
@@ -221,6 +224,38 @@ class RadixTree:
             res.new_nodes.append(node)
         else:
             res.duplicate_pages.append(theirs)
+
+    def insert_host(self, tokens: Tokens, host_pages: PageIds, *, start_page: int,
+                    hashes: list[bytes]) -> tuple[list[Node], list[PageIds]]:
+        """Add host-only pages (fetched from L3) for ``tokens`` pages ``start_page..``.
+
+        `tokens` covers whole pages; `host_pages` holds pages ``start_page`` on. Returns the
+        new nodes and the host pages not adopted (the caller frees them): pages of a prefix
+        that is present already, or everything when the prefix before `start_page` is gone
+        or has no host copy (host residency must stay prefix-closed).
+        """
+        ps, tokens = self.page_size, as_token_array(tokens)
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos:pos + ps].tobytes())
+            if child is None:
+                break
+            if not _same(tokens[pos:pos + len(child.key)], child.key):
+                child = self._split(child, self._common_pages(child.key, tokens, pos))
+            pos += len(child.key)
+            node = child
+        first = pos // ps
+        if first < start_page or pos >= len(tokens) or not (
+                node is self.root or node.on_host):
+            return [], [host_pages]
+        leaf = Node(id=next(self._ids), parent=node, key=tokens[pos:].copy(),
+                    hashes=hashes[first:len(tokens) // ps],
+                    stored=[True] * (len(tokens) // ps - first))
+        node.children[leaf.key[:ps].tobytes()] = leaf
+        self._num_nodes += 1
+        self._set_host(leaf, host_pages[first - start_page:].copy(), HostState.RESIDENT)
+        self._touch(leaf.path_to_root()[::-1], hit=False)
+        return [leaf], [host_pages[:first - start_page]]
 
     def _add_leaf(self, parent: Node, key: Tokens, pages: PageIds) -> Node:
         leaf = Node(id=next(self._ids), parent=parent, key=key)
@@ -250,6 +285,8 @@ class RadixTree:
                                                  node.host_pages[num_pages:].copy())
         if node.hashes is not None:
             upper.hashes, node.hashes = node.hashes[:num_pages], node.hashes[num_pages:]
+        if node.stored is not None:
+            upper.stored, node.stored = node.stored[:num_pages], node.stored[num_pages:]
         for op in {id(o): o for o in (node.load_op, node.write_op) if o is not None}.values():
             op.nodes.append(upper)
         node.key = node.key[cut:].copy()  # no views: a view would keep the old key alive

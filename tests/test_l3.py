@@ -1,0 +1,165 @@
+"""The L3 tier inside the cache: prefetch, backup, persistence, correct-or-miss, breaker."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import textwrap
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import pytest
+import torch
+
+from aiohicache import HiCache
+from aiohicache.l3 import page_format
+from aiohicache.storage.faults import FaultyBackend
+from aiohicache.storage.memory import MemoryBackend
+from tests.conftest import make_config, make_tokens, prefill, read_kv
+from tests.storage.redis_server import redis_server, redis_url  # noqa: F401  (fixtures)
+
+L3 = {"prefetch_policy": "wait_complete", "prefetch_threshold": 8, "device_pages": 16,
+      "host_pages": 32}
+
+
+async def fill_l3(cache: HiCache, tokens: list[int]) -> torch.Tensor:
+    """Compute `tokens` in `cache` and wait until write-through and backup settled."""
+    kv = await prefill(cache, tokens)
+    await cache.drain()
+    return kv
+
+
+async def fetch_kv(cache: HiCache, tokens: list[int]) -> tuple[torch.Tensor, int]:
+    async with cache.fetch(tokens) as hit:
+        await hit.ready()
+        return read_kv(cache, hit.device_indices), hit.num_storage_hit_tokens
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+async def test_a_new_cache_over_the_same_directory_serves_old_pages_bit_identically(
+        tmp_path: Path, layout: str) -> None:
+    cfg = make_config(storage=f"file://{tmp_path}", host_layout=layout, **L3)
+    tokens = make_tokens(24)
+    async with HiCache(cfg) as first:
+        original = await fill_l3(first, tokens)
+        assert first.stats().storage["backed_up_pages"] == 6  # type: ignore[index]
+    async with HiCache(cfg) as second:
+        kv, from_l3 = await fetch_kv(second, tokens)
+        assert from_l3 == 24 and torch.equal(kv, original)
+        s = second.stats()
+        assert s.storage_hit_tokens == 24 and s.hit_ratio == 1.0
+        await second.drain()
+        second.check_invariants()
+
+
+async def test_another_process_reads_what_this_one_stored(tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import asyncio, torch
+        from aiohicache import HiCache
+        from tests.conftest import make_config, make_tokens, prefill
+        async def main():
+            cfg = make_config(storage="file://{tmp_path}", prefetch_policy="wait_complete",
+                              prefetch_threshold=8, device_pages=16, host_pages=32)
+            async with HiCache(cfg) as cache:
+                kv = await prefill(cache, make_tokens(24))
+                await cache.drain()
+                torch.save(kv, "{tmp_path}/kv.pt")
+        asyncio.run(main())
+    """)
+    await anyio.run_process([sys.executable, "-c", script], check=True,
+                            cwd=Path(__file__).parent.parent)
+    original = await anyio.to_thread.run_sync(torch.load, tmp_path / "kv.pt")
+    async with HiCache(make_config(storage=f"file://{tmp_path}", **L3)) as cache:
+        kv, from_l3 = await fetch_kv(cache, make_tokens(24))
+        assert from_l3 == 24 and torch.equal(kv, original)
+
+
+async def test_redis_l3_round_trip(redis_url: str) -> None:  # noqa: F811  (the fixture)
+    cfg = make_config(storage=redis_url, **L3)
+    async with HiCache(cfg) as first:
+        original = await fill_l3(first, make_tokens(16))
+    async with HiCache(cfg) as second:
+        kv, from_l3 = await fetch_kv(second, make_tokens(16))
+        assert from_l3 == 16 and torch.equal(kv, original)
+
+
+async def test_concurrent_fetches_share_one_prefetch() -> None:
+    backend = MemoryBackend(page_format(make_config(**L3)))
+    cfg = make_config(storage=backend, **L3)  # a backend object stays the caller's to close
+    async with HiCache(cfg) as writer:
+        original = await fill_l3(writer, make_tokens(16))
+    async with HiCache(cfg) as reader:
+        results = await asyncio.gather(*(fetch_kv(reader, make_tokens(16)) for _ in range(10)))
+        assert all(torch.equal(kv, original) for kv, _ in results)
+        assert reader.stats().storage["prefetches"] == 1  # type: ignore[index]
+        await reader.drain()
+        reader.check_invariants()
+    await backend.aclose()
+
+
+async def test_a_prefix_l3_lacks_is_not_asked_again_within_the_ttl() -> None:
+    cfg = make_config(storage="memory://", **L3)
+    async with HiCache(cfg) as cache:
+        for _ in range(2):
+            async with cache.fetch(make_tokens(16, seed=5)) as hit:
+                assert hit.num_cached_tokens == 0
+        st = cache.stats().storage
+        assert st is not None and st["prefetch_misses"] == 1 and st["negative_hits"] == 1
+
+
+def flip_last_byte_of_one_page(root: Path) -> None:
+    victim = sorted(p for p in root.rglob("*") if p.is_file())[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+
+async def test_a_corrupt_page_is_a_miss_and_never_served(tmp_path: Path) -> None:
+    cfg = make_config(storage=f"file://{tmp_path}", **L3)
+    tokens = make_tokens(24)
+    async with HiCache(cfg) as first:
+        original = await fill_l3(first, tokens)
+    await anyio.to_thread.run_sync(flip_last_byte_of_one_page, tmp_path)
+    async with HiCache(cfg) as second:
+        kv, from_l3 = await fetch_kv(second, tokens)
+        assert from_l3 < 24  # the chain stops at the corrupt page
+        assert torch.equal(kv, original[:, :from_l3])
+        await second.drain()
+        second.check_invariants()
+
+
+async def test_a_failing_backend_trips_the_breaker_and_l1_l2_keep_serving() -> None:
+    cfg0 = make_config(**L3)
+    broken = FaultyBackend(MemoryBackend(page_format(cfg0)), seed=1, error_rate=1.0)
+    cfg = make_config(storage=broken, storage_failures_to_open=2, storage_cooldown=60.0, **L3)
+    async with HiCache(cfg) as cache:
+        for seed in range(4):
+            await prefill(cache, make_tokens(16, seed=seed))
+        await cache.drain()
+        s = cache.stats()
+        assert s.health == "degraded" and s.storage is not None
+        assert s.storage["breaker"] == "open" and s.storage["errors"] >= 2
+        kv, _ = await fetch_kv(cache, make_tokens(16, seed=3))  # still an L1 hit
+        assert kv.shape[1] == 16
+        cache.check_invariants()
+
+
+async def test_cancelling_a_fetch_waiting_for_its_prefetch_leaves_the_cache_consistent(
+        ) -> None:
+    backend = MemoryBackend(page_format(make_config(**L3)))
+    async with HiCache(make_config(storage=backend, **L3)) as first:
+        original = await fill_l3(first, make_tokens(24))
+    slow = FaultyBackend(backend, seed=0, latency=(0.2, 0.2))
+    async with HiCache(make_config(storage=slow, **L3)) as second:
+        task = asyncio.ensure_future(fetch_kv(second, make_tokens(24)))
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await second.drain()  # the prefetch still completes and is inserted
+        second.check_invariants()
+        kv, _ = await fetch_kv(second, make_tokens(24))
+        assert torch.equal(kv, original)
+    await backend.aclose()
