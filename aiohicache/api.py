@@ -436,6 +436,7 @@ class FetchContext:
         self.num_host_hit_tokens = 0
         self.num_storage_hit_tokens = 0
         self._storage_pages = 0
+        self._pre_storage_pages = 0
         self._pages: PageIds = np.empty(0, dtype=np.int64)
         self._jobs: list[LoadJob] = []
         self._pin: int | None = None
@@ -492,6 +493,7 @@ class FetchContext:
         await storage.wait(job, len(self.tokens) - job.start_page * storage.config.page_size)
         if job.done.is_set():
             self._storage_pages = job.inserted
+            self._pre_storage_pages = job.start_page
         return self._cache.tree.match(self.tokens, touch=False)
 
     def _adopt(self, match: Match, job: LoadJob | None) -> None:
@@ -509,8 +511,9 @@ class FetchContext:
         resident = sum(n.num_pages for n in match.device_nodes
                        if n.device_state is DeviceState.RESIDENT) * ps
         self.num_device_hit_tokens = resident
-        self.num_storage_hit_tokens = min(self._storage_pages * ps,
-                                          self.num_cached_tokens - resident)
+        # Tokens past what L1+L2 matched before the prefetch came from L3.
+        beyond = self.num_cached_tokens - max(resident, self._pre_storage_pages * ps)
+        self.num_storage_hit_tokens = max(0, min(self._storage_pages * ps, beyond))
         self.num_host_hit_tokens = self.num_cached_tokens - resident - self.num_storage_hit_tokens
         c = cache._counters
         c.requests += 1

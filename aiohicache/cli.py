@@ -151,13 +151,19 @@ _POLICIES = ("write_through", "write_through_selective", "write_back")
 @click.option("--kv-heads", type=int, default=None, help="... KV heads per layer ...")
 @click.option("--head-dim", type=int, default=None, help="... head dimension ...")
 @click.option("--dtype", default="bf16", show_default=True, help="... and dtype.")
-@click.option("--kv-scale", type=click.IntRange(min=1), default=512, show_default=True,
+@click.option("--kv-scale", type=click.IntRange(min=1), default=4096, show_default=True,
               help="Divide bytes per token by this so production capacities fit a laptop.")
 @click.option("--l1", "l1", default="1M", show_default=True,
               help="L1 capacity: tokens (256k, 1M) or model bytes (32GiB).")
 @click.option("--l2", "l2", default="4M", show_default=True,
               help="L2 capacity: tokens or model bytes; 0 for a single tier.")
-@click.option("--page-size", type=click.IntRange(1, 256), default=16, show_default=True)
+@click.option("--l3", "l3", default="tmp", show_default=True,
+              help="L3: 'tmp' (a temporary file store), 'none', or a URL (file:///dir, "
+                   "redis://host:port/0, memory://).")
+@click.option("--prefetch-policy", type=click.Choice(["wait_complete", "timeout", "best_effort"]),
+              default="wait_complete", show_default=True)
+@click.option("--page-size", type=click.IntRange(1, 256), default=256, show_default=True,
+              help="Tokens per page (L3 stores one object per page).")
 @click.option("--write-policy", type=click.Choice(_POLICIES), default="write_through",
               show_default=True)
 @click.option("--eviction", type=click.Choice(["lru", "lfu"]), default="lru", show_default=True)
@@ -181,7 +187,8 @@ _POLICIES = ("write_through", "write_through_selective", "write_back")
 @loop_option
 def replay(trace: str, limit: int | None, model: str, layers: int | None,
            kv_heads: int | None, head_dim: int | None, dtype: str, kv_scale: int, l1: str,
-           l2: str, page_size: int, write_policy: str, eviction: str, host_layout: str,
+           l2: str, l3: str, prefetch_policy: str, page_size: int, write_policy: str,
+           eviction: str, host_layout: str,
            time_mode: str, speedup: float, concurrency: int, settle: bool, sweep: str | None,
            plot: str | None, as_json: bool, no_progress: bool, loop: str) -> None:
     """Replay a serving trace through a real cache and report what each tier served.
@@ -199,7 +206,9 @@ def replay(trace: str, limit: int | None, model: str, layers: int | None,
                                        field_name="l2"),
             write_policy=write_policy, eviction=eviction,  # type: ignore[arg-type]
             host_layout=host_layout, time_mode=time_mode,  # type: ignore[arg-type]
-            speedup=speedup, concurrency=concurrency, settle=settle)
+            speedup=speedup, concurrency=concurrency, settle=settle,
+            storage=None if l3 == "none" else l3,
+            prefetch_policy=prefetch_policy)  # type: ignore[arg-type]
         configs = [base] if sweep is None else sweep_configs(base, [
             parse_capacity(x, bytes_per_token=spec.bytes_per_token, field_name="sweep")
             for x in sweep.split(",") if x.strip()])

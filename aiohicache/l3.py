@@ -65,13 +65,15 @@ class StorageCounters:
 class PrefetchJob:
     """One prefetch of the pages ``start_page..`` of `tokens`; `done` gives pages inserted."""
 
-    __slots__ = ("done", "inserted", "keys", "start_page", "tokens")
+    __slots__ = ("done", "held", "inserted", "keys", "start_page", "tokens")
 
     def __init__(self, tokens: Tokens, start_page: int, keys: list[bytes]) -> None:
         self.tokens = tokens
         self.start_page = start_page
         self.keys = keys
         self.inserted = 0
+        self.held: list[Node] = []
+        """Host-only nodes of the match, pinned so reserving host pages cannot evict them."""
         self.done: anyio.Event = anyio.Event()
 
 
@@ -150,6 +152,9 @@ class StorageTier:
             self.breaker.record_success()  # nothing was asked: release a half-open probe
             return None
         job = PrefetchJob(tokens[:len(tokens) // ps * ps], start, keys)
+        job.held = [n for n in path if not n.on_device]
+        for node in job.held:
+            self.tree.protect_host(node)
         self._inflight[first] = job
         self._tg.start_soon(self._prefetch, job)
         return job
@@ -182,6 +187,9 @@ class StorageTier:
             self._fail("prefetch", exc)
         finally:
             del self._inflight[first]
+            for node in job.held:
+                self.tree.release_host(node)
+            job.held = []
             job.done.set()
             self._signal()
             if reserved is not None:
@@ -288,12 +296,15 @@ class StorageTier:
             at += node.num_pages
             node.stored = [bool(a) or bool(b) for a, b in zip(
                 node.stored or [False] * node.num_pages, done, strict=True)]
+        for key, good in zip(keys, ok, strict=True):
+            if good:  # stored now: a negative-cache entry for it would hide a real hit
+                self._misses.pop(bytes.fromhex(key), None)
         self.counters.backed_up_pages += sum(ok)
         self.counters.backup_failed_pages += len(ok) - sum(ok)
 
     def backup_holds(self) -> list[list[Node]]:
-        """Node groups whose host pages a backup holds (for the invariant check)."""
-        return list(self._backing_up)
+        """Node groups whose host pages a backup or prefetch holds (for invariant checks)."""
+        return [*self._backing_up, *(job.held for job in self._inflight.values())]
 
     # ------------------------------------------------------------------ health
 

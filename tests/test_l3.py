@@ -163,3 +163,21 @@ async def test_cancelling_a_fetch_waiting_for_its_prefetch_leaves_the_cache_cons
         kv, _ = await fetch_kv(second, make_tokens(24))
         assert torch.equal(kv, original)
     await backend.aclose()
+
+
+async def test_a_backup_clears_the_negative_cache_entry_of_its_pages() -> None:
+    cfg = make_config(storage="memory://", **L3)
+    tokens = make_tokens(16, seed=7)
+    async with HiCache(cfg) as cache:
+        await fill_l3(cache, tokens)  # L3 missed once (negative entry), then backed them up
+        await evict_everywhere_but_l3(cache)
+        _, from_l3 = await fetch_kv(cache, tokens)
+        assert from_l3 == 16
+
+
+async def evict_everywhere_but_l3(cache: HiCache) -> None:
+    """Push everything out of L1 and L2 (L3 keeps it)."""
+    await cache.drain()
+    cache.tree.evict_device(cache.device_pool.num_pages)
+    cache.tree.evict_host(cache.host_pool.num_pages)
+    cache.check_invariants()

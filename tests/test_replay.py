@@ -85,8 +85,8 @@ def test_cli_replay_prints_the_table() -> None:
 def test_cli_replay_json_and_sweep_with_plot(tmp_path: object) -> None:
     png = f"{tmp_path}/curve.png"
     result = CliRunner().invoke(cli, ["replay", "--limit", "200", "--json", "--model", "tiny",
-                                      "--kv-scale", "1", "--l2", "0", "--sweep", "50k,200k",
-                                      "--plot", png])
+                                      "--kv-scale", "1", "--l2", "0", "--page-size", "16",
+                                      "--sweep", "50k,200k", "--plot", png])
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)
     assert [r["device_tokens"] for r in rows] == [50_000, 200_000]
@@ -109,3 +109,13 @@ async def test_settled_sequential_replays_are_deterministic() -> None:
     first, second = [await replay(config, requests) for _ in range(2)]
     assert (first.l1_tokens, first.l2_tokens, first.bytes_h2d, first.bytes_d2h) == (
         second.l1_tokens, second.l2_tokens, second.bytes_h2d, second.bytes_d2h)
+
+
+async def test_replay_with_a_file_l3_serves_from_all_three_tiers() -> None:
+    requests = load_trace("mooncake", limit=600)
+    config = ReplayConfig(spec=MODELS["tiny"], device_tokens=100_000, host_tokens=2_000_000,
+                          page_size=256, storage="tmp")
+    r = await replay(config, requests)
+    assert r.l1_tokens > 0 and r.l2_tokens > 0 and r.l3_tokens > 0
+    assert r.bytes_l3_written > 0 and r.bytes_l3_read > 0
+    assert r.l1_tokens + r.l2_tokens + r.l3_tokens + r.recomputed_tokens == r.prompt_tokens

@@ -16,7 +16,7 @@ __all__ = ("format_result", "format_sweep", "plot_sweep", "result_to_dict", "to_
 def _tokens(n: int) -> str:
     for unit, scale in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
         if n >= scale:
-            return f"{n / scale:.3g}{unit}"
+            return f"{n / scale:.4g}{unit}"
     return str(n)
 
 
@@ -45,13 +45,19 @@ def format_result(r: ReplayResult, *, title: str = "") -> str:
          f"model-equivalent {_bytes(r.model_bytes_h2d)}"),
         ("moved L1 -> L2 (write)", _bytes(r.bytes_d2h),
          f"model-equivalent {_bytes(r.model_bytes_d2h)}"),
+        ("moved L3 -> L2 (prefetch)", _bytes(r.bytes_l3_read),
+         f"model-equivalent {_bytes(r.bytes_l3_read * r.kv_scale)}"),
+        ("moved L2 -> L3 (backup)", _bytes(r.bytes_l3_written),
+         f"model-equivalent {_bytes(r.bytes_l3_written * r.kv_scale)}"),
         ("L1 <-> L2 throughput", f"{r.transfer_gbps:.2f} GB/s", "bytes moved / wall time"),
         ("event-loop lag p50/p99/max", f"{r.lag.p50_ms:.2f} / {r.lag.p99_ms:.2f} / "
          f"{r.lag.max_ms:.2f} ms", f"{r.lag.samples} samples"),
         ("wall time", f"{r.wall_seconds:.2f} s", ""),
         ("requests/s", f"{r.requests_per_second:,.0f}", ""),
     ]
-    head = (f"L1 {_tokens(r.device_tokens)} tokens, L2 {_tokens(r.host_tokens)} tokens, "
+    l3 = {None: "no L3", "tmp": "L3 file store in a temporary directory"}.get(
+        r.storage, f"L3 {r.storage}")
+    head = (f"L1 {_tokens(r.device_tokens)} tokens, L2 {_tokens(r.host_tokens)} tokens, {l3}, "
             f"{r.bytes_per_token} B/token (model bytes / {r.kv_scale})")
     width = max(len(k) for k, _, _ in rows)
     lines = [title, head, ""] if title else [head, ""]
@@ -73,13 +79,14 @@ def to_json(results: Sequence[ReplayResult]) -> str:
 
 def format_sweep(results: Sequence[ReplayResult]) -> str:
     """The hit-ratio curve over L1 capacity, one line per replay."""
-    lines = ["  L1 tokens   L2 tokens   L1 hit   L2 hit   hit ratio   requests/s",
-             "  ---------   ---------   ------   ------   ---------   ----------"]
+    lines = ["  L1 tokens   L2 tokens   L1 hit   L2 hit   L3 hit   hit ratio   requests/s",
+             "  ---------   ---------   ------   ------   ------   ---------   ----------"]
     for r in results:
         l1 = r.l1_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
         l2 = r.l2_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
+        l3 = r.l3_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
         lines.append(f"  {_tokens(r.device_tokens):>9}   {_tokens(r.host_tokens):>9}   "
-                     f"{l1:6.4f}   {l2:6.4f}   {r.hit_ratio:9.4f}   "
+                     f"{l1:6.4f}   {l2:6.4f}   {l3:6.4f}   {r.hit_ratio:9.4f}   "
                      f"{r.requests_per_second:10,.0f}")
     return "\n".join(lines)
 

@@ -9,8 +9,10 @@ whatever the pages held, and every copy between tiers is real. Nothing is simula
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import re
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -113,6 +115,10 @@ class ReplayConfig:
     speedup: float = 1.0
     concurrency: int = 1
     """Requests in flight at once (``fast``); a cap on it (``timestamps``). 1 = sequential."""
+    storage: str | None = None
+    """L3: None, ``"tmp"`` (a file store in a temporary directory, removed afterwards) or a
+    storage URL (``file:///dir``, ``redis://host:port/0``, ``memory://``)."""
+    prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "wait_complete"
     settle: bool = True
     """With ``fast`` and concurrency 1: wait for each request's copies to settle before the
     next starts, so a replay gives the same numbers every run. Off, copies overlap the next
@@ -135,12 +141,13 @@ class ReplayConfig:
                               f"({self.page_size} tokens)")
         scaled_spec(self.spec, self.kv_scale)
 
-    def cache_config(self) -> HiCacheConfig:
+    def cache_config(self, storage: str | None = None) -> HiCacheConfig:
         return HiCacheConfig(
             spec=scaled_spec(self.spec, self.kv_scale), page_size=self.page_size,
             device_pages=self.device_tokens // self.page_size,
             host_pages=self.host_tokens // self.page_size, write_policy=self.write_policy,
-            eviction=self.eviction, host_layout=self.host_layout)
+            eviction=self.eviction, host_layout=self.host_layout, storage=storage,
+            prefetch_policy=self.prefetch_policy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +168,8 @@ class ReplayResult:
     """Requests whose new KV did not fit beside everything pinned (served, not cached)."""
     bytes_h2d: int
     bytes_d2h: int
+    bytes_l3_read: int
+    bytes_l3_written: int
     model_bytes_h2d: int
     """`bytes_h2d` times `kv_scale`: what the unscaled model would move."""
     model_bytes_d2h: int
@@ -168,6 +177,7 @@ class ReplayResult:
     lag: LagSummary
     device_tokens: int
     host_tokens: int
+    storage: str | None
     bytes_per_token: int
     kv_scale: int
     extra: dict[str, float] = field(default_factory=dict)
@@ -199,7 +209,16 @@ async def replay(config: ReplayConfig, requests: Sequence[Request], *,
 
     Cancellation: in-flight requests are cancelled (they unpin) and the cache is closed.
     """
-    cache_config = config.cache_config()
+    with contextlib.ExitStack() as stack:
+        storage = config.storage
+        if storage == "tmp":
+            storage = "file://" + stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="aiohicache-l3-"))
+        return await _replay(config, config.cache_config(storage), requests, progress)
+
+
+async def _replay(config: ReplayConfig, cache_config: HiCacheConfig,
+                  requests: Sequence[Request], progress: Progress | None) -> ReplayResult:
     not_inserted = 0
 
     async def serve(request: Request) -> None:
@@ -226,13 +245,19 @@ async def replay(config: ReplayConfig, requests: Sequence[Request], *,
     cache.check_invariants()
     return ReplayResult(
         requests=stats.requests, prompt_tokens=stats.prompt_tokens,
-        l1_tokens=stats.device_hit_tokens, l2_tokens=stats.host_hit_tokens, l3_tokens=0,
+        l1_tokens=stats.device_hit_tokens, l2_tokens=stats.host_hit_tokens,
+        l3_tokens=stats.storage_hit_tokens,
+        bytes_l3_read=int((stats.storage or {}).get("prefetched_pages", 0))
+        * cache_config.page_bytes,
+        bytes_l3_written=int((stats.storage or {}).get("backed_up_pages", 0))
+        * cache_config.page_bytes,
         recomputed_tokens=stats.miss_tokens, not_inserted=not_inserted,
         bytes_h2d=stats.loaded_bytes, bytes_d2h=stats.written_bytes,
         model_bytes_h2d=stats.loaded_bytes * config.kv_scale,
         model_bytes_d2h=stats.written_bytes * config.kv_scale, wall_seconds=wall,
         lag=lag, device_tokens=cache_config.device_pages * config.page_size,
         host_tokens=cache_config.host_capacity_pages * config.page_size,
+        storage=config.storage,
         bytes_per_token=cache_config.spec.bytes_per_token, kv_scale=config.kv_scale)
 
 
