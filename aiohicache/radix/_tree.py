@@ -138,24 +138,25 @@ class RadixTree:
         tokens = as_token_array(tokens)
         path: list[Node] = []
         node, pos, end = self.root, 0, len(tokens) - len(tokens) % self.page_size
-        while pos < end:
-            child = node.children.get(tokens[pos:pos + self.page_size].tobytes())
-            if child is None:
-                break
-            klen = len(child.key)
-            if not _same(tokens[pos:pos + klen], child.key):
-                child = self._split(child, self._common_pages(child.key, tokens, pos))
+        while pos < end and (child := self._step(node, tokens, pos)) is not None:
             path.append(child)
             pos += len(child.key)
             node = child
-            if len(child.key) < klen:
-                break
         if touch:
             self._touch(path, hit=True)
         num_device = 0
         while num_device < len(path) and path[num_device].on_device:
             num_device += 1
         return Match(path, num_device, self.page_size)
+
+    def _step(self, node: Node, tokens: Tokens, pos: int) -> Node | None:
+        """The child of `node` that matches `tokens` from `pos`, split to the matching pages
+        when the match ends inside it; None when no child starts with the next page. After a
+        split, the next step finds no child: the mismatching page starts the lower part."""
+        child = node.children.get(tokens[pos:pos + self.page_size].tobytes())
+        if child is not None and not _same(tokens[pos:pos + len(child.key)], child.key):
+            child = self._split(child, self._common_pages(child.key, tokens, pos))
+        return child
 
     def _common_pages(self, key: Tokens, tokens: Tokens, pos: int) -> int:
         span = min(len(key), len(tokens) - pos)
@@ -189,12 +190,7 @@ class RadixTree:
         assert len(tokens) == len(pages) * ps, "tokens and pages disagree"
         res = InsertResult(last_node=None)
         node, pos = self.root, 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos:pos + ps].tobytes())
-            if child is None:
-                break
-            if not _same(tokens[pos:pos + len(child.key)], child.key):
-                child = self._split(child, self._common_pages(child.key, tokens, pos))
+        while pos < len(tokens) and (child := self._step(node, tokens, pos)) is not None:
             self._adopt_or_drop(child, pages, pos // ps, start_page, res)
             pos += len(child.key)
             node = child
@@ -236,12 +232,7 @@ class RadixTree:
         """
         ps, tokens = self.page_size, as_token_array(tokens)
         node, pos = self.root, 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos:pos + ps].tobytes())
-            if child is None:
-                break
-            if not _same(tokens[pos:pos + len(child.key)], child.key):
-                child = self._split(child, self._common_pages(child.key, tokens, pos))
+        while pos < len(tokens) and (child := self._step(node, tokens, pos)) is not None:
             pos += len(child.key)
             node = child
         first = pos // ps
