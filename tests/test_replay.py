@@ -78,7 +78,7 @@ def test_cli_replay_prints_the_table() -> None:
                                       "--model", "tiny", "--kv-scale", "1"])
     assert result.exit_code == 0, result.output
     for row in ("served from L1", "served from L2", "served from L3", "recomputed",
-                "hit ratio", "event-loop lag", "requests/s"):
+                "hit ratio", "L2 <-> L3 throughput", "event-loop lag", "requests/s"):
         assert row in result.output
 
 

@@ -50,6 +50,7 @@ def format_result(r: ReplayResult, *, title: str = "") -> str:
         ("moved L2 -> L3 (backup)", _bytes(r.bytes_l3_written),
          f"model-equivalent {_bytes(r.bytes_l3_written * r.kv_scale)}"),
         ("L1 <-> L2 throughput", f"{r.transfer_gbps:.2f} GB/s", "bytes moved / wall time"),
+        ("L2 <-> L3 throughput", f"{r.storage_gbps:.2f} GB/s", "bytes moved / wall time"),
         ("event-loop lag p50/p99/max", f"{r.lag.p50_ms:.2f} / {r.lag.p99_ms:.2f} / "
          f"{r.lag.max_ms:.2f} ms", f"{r.lag.samples} samples"),
         ("wall time", f"{r.wall_seconds:.2f} s", ""),
@@ -68,7 +69,7 @@ def format_result(r: ReplayResult, *, title: str = "") -> str:
 def result_to_dict(r: ReplayResult) -> dict[str, object]:
     out = dataclasses.asdict(r)
     out.update(hit_ratio=r.hit_ratio, requests_per_second=r.requests_per_second,
-               transfer_gbps=r.transfer_gbps)
+               transfer_gbps=r.transfer_gbps, storage_gbps=r.storage_gbps)
     return out
 
 

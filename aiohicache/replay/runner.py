@@ -192,6 +192,12 @@ class ReplayResult:
         return self.requests / self.wall_seconds if self.wall_seconds else 0.0
 
     @property
+    def storage_gbps(self) -> float:
+        """Bytes moved between L2 and L3 (both directions) per second of wall time."""
+        return (self.bytes_l3_read + self.bytes_l3_written) / self.wall_seconds / 1e9 \
+            if self.wall_seconds else 0.0
+
+    @property
     def transfer_gbps(self) -> float:
         """Bytes moved between L1 and L2 (both directions) per second of wall time."""
         return (self.bytes_h2d + self.bytes_d2h) / self.wall_seconds / 1e9 \
