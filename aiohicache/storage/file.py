@@ -18,7 +18,7 @@ import re
 import secrets
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -31,6 +31,9 @@ from ..errors import ClosedError, ConfigError
 from ._common import KEY_PATTERN, BatchRunner, LruBudget, check_buffers, check_keys, object_size
 from .base import BackendStats, PageFormat, decode_page, encode_header
 from .errors import StorageError, StorageReadError, StorageWriteError
+
+_RunStep = Callable[[range, Sequence[str], list[memoryview], list[bool], list[BaseException]],
+                    Awaitable[None]]
 
 __all__ = ("FileBackend",)
 
@@ -154,21 +157,7 @@ class FileBackend:
         not at all, then the cancellation propagates. No buffer is written after the call
         has ended.
         """
-        views = check_buffers(self.fmt, keys, buffers)
-        await self._start()
-        filled = [False] * len(keys)
-        failed: list[BaseException] = []
-
-        async def read(run: range) -> None:
-            try:
-                await self._read_run(run, keys, views, filled, failed)
-            except (RuntimeError, ClosedError) as exc:  # the executor was shut down
-                failed.append(exc)
-
-        await self._runner.run(self._runs(len(keys)), read)
-        self._budget.touch_batch([key for key, hit in zip(keys, filled, strict=True) if hit])
-        self._raise_failed(failed, StorageReadError, "read")
-        return filled
+        return await self._batch(keys, buffers, self._read_run, StorageReadError, "read")
 
     async def set_from(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
         """Store each buffer under its key (header + payload); True where it was stored.
@@ -183,21 +172,27 @@ class FileBackend:
         the buffers no longer read), runs not started are skipped, then the cancellation
         propagates.
         """
+        return await self._batch(keys, buffers, self._write_run, StorageWriteError, "write")
+
+    async def _batch(self, keys: Sequence[str], buffers: Sequence[memoryview], step: _RunStep,
+                     error: type[StorageError], verb: str) -> list[bool]:
+        """Run `step` over runs of pages concurrently; per-key results; I/O errors raised
+        after every run has finished."""
         views = check_buffers(self.fmt, keys, buffers)
         await self._start()
-        stored = [False] * len(keys)
+        done = [False] * len(keys)
         failed: list[BaseException] = []
 
-        async def write(run: range) -> None:
+        async def one(run: range) -> None:
             try:
-                await self._write_run(run, keys, views, stored, failed)
+                await step(run, keys, views, done, failed)
             except (RuntimeError, ClosedError) as exc:  # the executor was shut down
                 failed.append(exc)
 
-        await self._runner.run(self._runs(len(keys)), write)
-        self._budget.touch_batch([key for key, ok in zip(keys, stored, strict=True) if ok])
-        self._raise_failed(failed, StorageWriteError, "write")
-        return stored
+        await self._runner.run(self._runs(len(keys)), one)
+        self._budget.touch_batch([key for key, ok in zip(keys, done, strict=True) if ok])
+        self._raise_failed(failed, error, verb)
+        return done
 
     async def delete(self, keys: Sequence[str]) -> int:
         """Remove `keys`; return how many existed.
