@@ -14,6 +14,8 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import math
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,9 +28,11 @@ import torch
 
 from ._concurrency import finish_then_cancel
 from .config import HiCacheConfig
-from .controller import Controller, LoadJob
-from .errors import ClosedError, ConfigError, InvariantError, PageError
-from .l3 import StorageTier
+from .consensus import AGAIN, Consensus, Op
+from .controller import Controller, LoadJob, WriteJob
+from .distributed import TPGroup
+from .errors import CapacityError, ClosedError, ConfigError, InvariantError, PageError
+from .l3 import PrefetchJob, StorageTier
 from .memory import DevicePool, HostPool, PageIds
 from .memory._allocator import has_repeats
 from .radix import DeviceState, Match, Node, RadixTree
@@ -79,6 +83,8 @@ class CacheStats:
     health: Literal["ok", "degraded", "failed"]
     storage: dict[str, int | str] | None = None
     """L3 counters (prefetched / backed-up pages, misses, errors, breaker state), if any."""
+    tp: dict[str, float] | None = None
+    """Consensus ticks (count, mean µs in the collective) with ``tp_size > 1``."""
 
     @property
     def hit_ratio(self) -> float:
@@ -100,12 +106,19 @@ class HiCache:
 
     Use it as an async context manager; the workers run while it is open. All methods must be
     called from the event loop that opened it.
+
+    With tensor parallelism (``config.tp_size > 1``) pass the ranks' `TPGroup`; every rank
+    must then make the same request-path calls in the same order (docs/tensor-parallel.md).
     """
 
-    def __init__(self, config: HiCacheConfig, *, engine: TransferEngine | None = None) -> None:
+    def __init__(self, config: HiCacheConfig, *, engine: TransferEngine | None = None,
+                 tp_group: TPGroup | None = None) -> None:
         if not isinstance(config, HiCacheConfig):
             raise ConfigError(f"config: must be a HiCacheConfig, got {type(config).__name__}")
+        _check_group(config, tp_group)
         self.config = config
+        self.tp_group = tp_group if config.tp_size > 1 else None
+        self._tp: Consensus | None = None
         self.device_pool = DevicePool(config.spec, num_pages=config.device_pages,
                                       page_size=config.page_size, device=config.device)
         self.host_pool = HostPool(config.spec, num_pages=config.host_capacity_pages,
@@ -114,7 +127,8 @@ class HiCache:
                               device_alloc=self.device_pool.allocator,
                               host_alloc=self.host_pool.allocator, eviction=config.eviction)
         self._engine = engine
-        self.storage = StorageTier(config, self.tree, self.host_pool) \
+        self.storage = StorageTier(config, self.tree, self.host_pool,
+                                   tp=self.tp_group is not None) \
             if config.storage is not None else None
         self._controller: Controller | None = None
         self._runner: asyncio.Task[None] | None = None
@@ -137,7 +151,11 @@ class HiCache:
         if self._state != "new":
             raise ClosedError("a HiCache can be opened once")
         engine = self._engine or self._default_engine()
-        self._controller = Controller(self.config, self.tree, engine, storage=self.storage)
+        self._controller = Controller(self.config, self.tree, engine, storage=self.storage,
+                                      tp=self.tp_group is not None)
+        if self.tp_group is not None:
+            self._tp = Consensus(self.config, self.tp_group, self._controller, self.storage,
+                                 self._digest)
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._runner = asyncio.create_task(self._run(started), name="aiohicache-workers")
         self._state = "open"
@@ -162,6 +180,8 @@ class HiCache:
         assert self._controller is not None
         async with anyio.create_task_group() as tg:
             await tg.start(self._controller.run)
+            if self._tp is not None:
+                await tg.start(self._tp.run)
             if not started.done():
                 started.set_result(None)
 
@@ -184,6 +204,11 @@ class HiCache:
 
     async def _close(self) -> None:
         ctl = self.controller
+        if self._tp is not None and not self._tp.finished.done():
+            # Closing is an op: every rank stops ticking at the same tick, once all is settled.
+            self._tp.post(self._tp.close_op)
+            with anyio.move_on_after(self.config.tp_timeout + 60):
+                await asyncio.shield(self._tp.finished)
         await ctl.close_channels()
         with anyio.move_on_after(60):
             await ctl.drain()
@@ -194,6 +219,8 @@ class HiCache:
         await ctl.engine.aclose()
         if self.storage is not None:
             await self.storage.aclose()
+        if self.tp_group is not None:
+            self.tp_group.close()
         self._state = "closed"
 
     def __del__(self, _warn: object = warnings.warn) -> None:
@@ -244,28 +271,59 @@ class HiCache:
 
     async def _allocate(self, num_tokens: int, *, owner: int) -> tuple[torch.Tensor, PageIds]:
         ctl = self._check_open()
-        pages = await ctl.alloc_device_wait(-(-num_tokens // self.config.page_size))
-        self._lease(pages, owner)
+        num_pages = -(-num_tokens // self.config.page_size)
+        if self._tp is not None:
+            if num_pages > self.tree.device_alloc.capacity:
+                raise CapacityError(f"asked for {num_pages} device pages; the pool has "
+                                    f"{self.tree.device_alloc.capacity}")
+            pages = await self._tp.call(lambda op: self._alloc_op(num_pages, owner),
+                                        undo=lambda got: self._release_owned(got, owner))
+        else:
+            pages = await ctl.alloc_device_wait(num_pages)
+            self._lease(pages, owner)
         return self.device_pool.pages_to_slots(pages)[:num_tokens], pages
+
+    def _alloc_op(self, num_pages: int, owner: int) -> PageIds:
+        """TP op: lease `num_pages`, or wait for a tick that settles copies which free some."""
+        ctl = self._check_open()
+        pages = ctl.alloc_device(num_pages)
+        if pages is None:
+            if ctl.demoting_pages or not ctl.idle:
+                return AGAIN  # type: ignore[no-any-return]
+            raise CapacityError(
+                f"cannot allocate {num_pages} device pages: {self.tree.device_alloc.num_free}"
+                " free and the rest pinned")
+        self._lease(pages, owner)
+        return pages
 
     def free(self, slots: torch.Tensor) -> None:
         """Give back slots leased by `allocate` and not committed.
+
+        With TP the pages return to the pool at the next tick (an op, like every call).
 
         Raises:
             ConfigError: `slots` is not a tensor of whole leased pages.
             PageError: a page is not leased (double free or foreign).
         """
-        self._release_leases(self.device_pool.slots_to_pages(slots), free=True)
+        pages = self.device_pool.slots_to_pages(slots)
+        if self._tp is None or self._tp.finished.done():
+            self._release_leases(pages, free=True)
+            return
+        self._check_leased(pages)
+        self._tp.post(lambda op: self._release_leases(pages, free=True))
 
     def _lease(self, pages: PageIds, owner: int) -> None:
         self._leased[pages] = owner
         self._num_leased += len(pages)
 
+    def _check_leased(self, pages: PageIds) -> None:
+        if not self._leased[pages].all() or (len(pages) > 1 and has_repeats(pages)):
+            raise PageError("slots: pages not leased by allocate() (double free or foreign)")
+
     def _release_leases(self, pages: PageIds, *, free: bool) -> None:
         if len(pages) == 0:
             return
-        if not self._leased[pages].all() or (len(pages) > 1 and has_repeats(pages)):
-            raise PageError("slots: pages not leased by allocate() (double free or foreign)")
+        self._check_leased(pages)
         self._leased[pages] = 0
         self._num_leased -= len(pages)
         if free:
@@ -286,6 +344,12 @@ class HiCache:
         old = self._pins[key]
         self.tree.unlock(old if old is not self.tree.root else None)
         self._pins[key] = node if node is not None else self.tree.root
+
+    def _release_context(self, pin: int | None, leases: list[PageIds], owner: int) -> None:
+        if pin is not None:
+            self._unpin(pin)
+        for pages in leases:
+            self._release_owned(pages, owner)
 
     def _unpin(self, key: int) -> None:
         node = self._pins.pop(key)
@@ -321,7 +385,13 @@ class HiCache:
             device_pages_leased=self._num_leased, host_pages_used=host.num_used,
             host_pages_free=host.num_free, num_nodes=t.num_nodes,
             worker_restarts=tc.worker_restarts if tc else 0, health=health,
-            storage=self._storage_stats())
+            storage=self._storage_stats(), tp=self._tp.stats() if self._tp else None)
+
+    def _digest(self) -> tuple[int, ...]:
+        """Cheap numbers that equal caches share; the TP tick compares them across ranks."""
+        c = self._counters
+        return (self.device_pool.allocator.num_free, self.host_pool.allocator.num_free,
+                self.tree.num_nodes, self._num_leased, c.requests, c.prompt_tokens)
 
     def _storage_stats(self) -> dict[str, int | str] | None:
         if self.storage is None:
@@ -445,6 +515,8 @@ class FetchContext:
         self._tail: tuple[int, int] | None = None  # leased page being filled, slots used
         self._owner = next(_owner_ids)
         self._allocated: tuple[torch.Tensor, PageIds, int] | None = None
+        self._prefetching: PrefetchJob | None = None  # TP: the prefetch the enter op waits on
+        self._page_size = cache.config.page_size
 
     def __repr__(self) -> str:
         return (f"<FetchContext {len(self.tokens)} tokens, {self.num_cached_tokens} cached, "
@@ -466,13 +538,14 @@ class FetchContext:
         ctl = cache._check_open()
         if len(self.tokens) == 0:
             raise ConfigError("tokens: must not be empty")
+        if cache._tp is not None:
+            await cache._tp.call(self._enter_op, undo=lambda _: self._release_now())
+            return self
         match = cache.tree.match(self.tokens)
         if cache.storage is not None:
             match = await self._prefetch(match)
-        self._pin = cache._pin(match.last_device_node)
         try:
-            job = ctl.plan_load(match)
-            self._adopt(match, job)
+            job = self._plan_load(match)
             wt = ctl.plan_write_through(match.last_device_node)
             if job is not None:
                 await ctl.submit_load(job)
@@ -483,6 +556,13 @@ class FetchContext:
             raise
         return self
 
+    def _plan_load(self, match: Match) -> LoadJob | None:
+        cache = self._cache
+        self._pin = cache._pin(match.last_device_node)
+        job = cache.controller.plan_load(match)
+        self._adopt(match, job)
+        return job
+
     async def _prefetch(self, match: Match) -> Match:
         """Ask L3 for the pages after the L1+L2 match, wait per policy, match again."""
         storage = self._cache.storage
@@ -491,10 +571,41 @@ class FetchContext:
         if job is None:
             return match
         await storage.wait(job, len(self.tokens) - job.start_page * storage.config.page_size)
+        return self._after_prefetch(job)
+
+    def _after_prefetch(self, job: PrefetchJob) -> Match:
         if job.done.is_set():
             self._storage_pages = job.inserted
             self._pre_storage_pages = job.start_page
         return self._cache.tree.match(self.tokens, touch=False)
+
+    def _enter_op(self, op: Op) -> None:
+        """TP op: `__aenter__` run at a tick; waits (AGAIN) for the prefetch as agreed."""
+        cache = self._cache
+        ctl, storage = cache._check_open(), cache.storage
+        if self._prefetching is None:
+            match = cache.tree.match(self.tokens)
+            job = storage.plan_prefetch(self.tokens, match.path) if storage else None
+            if job is None:
+                return self._enter_planned(match, ctl)
+            assert storage is not None
+            self._prefetching = job
+            wait = storage.wait_seconds(len(self.tokens) - job.start_page * self._page_size)
+            if wait and not job.done.is_set():
+                op.deadline = None if math.isinf(wait) else time.monotonic() + wait
+                return AGAIN  # type: ignore[no-any-return]
+        elif not (self._prefetching.done.is_set() or op.stop):
+            return AGAIN  # type: ignore[no-any-return]
+        return self._enter_planned(self._after_prefetch(self._prefetching), ctl)
+
+    def _enter_planned(self, match: Match, ctl: Controller) -> None:
+        try:
+            job = self._plan_load(match)
+            ctl.launch_now(job)
+            ctl.launch_now(ctl.plan_write_through(match.last_device_node))
+        except BaseException:
+            self._release_now()
+            raise
 
     def _adopt(self, match: Match, job: LoadJob | None) -> None:
         """Record the device prefix (resident, loading, and our own loads) and pin it."""
@@ -532,12 +643,19 @@ class FetchContext:
         self._release()
 
     def _release(self) -> None:
-        if self._pin is not None:
-            self._cache._unpin(self._pin)
-            self._pin = None
+        """Unpin and free what was not committed (with TP: as an op, at the next tick)."""
+        tp = self._cache._tp
+        if tp is None or tp.finished.done():
+            self._release_now()
+            return
+        pin, self._pin = self._pin, None
         leases, self._leases = self._leases, []
-        for pages in leases:
-            self._cache._release_owned(pages, self._owner)
+        tp.post(lambda op: self._cache._release_context(pin, leases, self._owner))
+
+    def _release_now(self) -> None:
+        pin, self._pin = self._pin, None
+        leases, self._leases = self._leases, []
+        self._cache._release_context(pin, leases, self._owner)
 
     async def layer_ready(self, layer: int) -> None:
         """Wait until `layer` of the cached prefix is on the device.
@@ -614,12 +732,24 @@ class FetchContext:
         cache = self._cache
         ctl = cache._check_open()
         toks = self.tokens if tokens is self._source else _as_tokens(tokens)
+        if cache._tp is not None:
+            await cache._tp.call(lambda op: ctl.launch_now(self._commit_now(toks, slots)))
+            return
+        wt = self._commit_now(toks, slots)
+        if wt is not None:
+            await ctl.submit_write(wt)
+
+    def _commit_now(self, toks: Tokens, slots: torch.Tensor) -> WriteJob | None:
+        """`commit` up to the write-through it plans (sync: the insert is atomic)."""
+        cache = self._cache
+        ctl = cache._check_open()
+        self._check_active()
         ps = cache.config.page_size
         num_full = len(toks) // ps
         if isinstance(slots, torch.Tensor) and len(slots) == 0 and num_full == len(
                 self._pages) and self._tail is None:
             self._check_commit(toks, slots)  # nothing new: the prefix is in the tree already
-            return
+            return None
         pages = self._check_commit(toks, slots)
         new_full = num_full - len(self._pages)
         cache._release_leases(pages[:new_full], free=False)
@@ -647,9 +777,7 @@ class FetchContext:
             if res.last_node is not None else self._pages
         self._device_indices = None
         self.num_cached_tokens = len(self._pages) * ps
-        wt = ctl.plan_write_through(res.last_node)
-        if wt is not None:
-            await ctl.submit_write(wt)
+        return ctl.plan_write_through(res.last_node)
 
     def _path(self) -> list[Node]:
         """The pinned prefix's nodes, root first."""
@@ -679,3 +807,15 @@ class FetchContext:
     def _check_active(self) -> None:
         if self._pin is None:
             raise ClosedError("the fetch context is not active (use it inside 'async with')")
+
+
+def _check_group(config: HiCacheConfig, group: TPGroup | None) -> None:
+    if group is None:
+        if config.tp_size > 1:
+            raise ConfigError(f"tp_group: tp_size is {config.tp_size}; pass the ranks' TPGroup")
+        return
+    if not isinstance(group, TPGroup):
+        raise ConfigError(f"tp_group: must be a TPGroup, got {type(group).__name__}")
+    if (group.rank, group.size) != (config.tp_rank, config.tp_size):
+        raise ConfigError(f"tp_group: is rank {group.rank} of {group.size} but the config says "
+                          f"tp_rank={config.tp_rank}, tp_size={config.tp_size}")

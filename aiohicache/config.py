@@ -240,6 +240,11 @@ class HiCacheConfig:
     tp_rank: int = 0
     """This rank's shard (part of storage keys)."""
     tp_size: int = 1
+    """Tensor-parallel ranks sharing the cache's decisions; above 1, pass a `TPGroup`."""
+    tp_timeout: float = 60.0
+    """Seconds a consensus tick waits for the other ranks before failing with `RankTimeoutError`."""
+    tp_tick_interval: float = 0.002
+    """While work is in flight, the longest a rank waits for news before ticking again."""
     extra: dict[str, object] = field(default_factory=dict)
     """Free-form settings for plug-ins; ignored by the core."""
 
@@ -295,6 +300,10 @@ class HiCacheConfig:
         _positive_int("tp_size", self.tp_size)
         if self.tp_rank >= self.tp_size:
             raise ConfigError(f"tp_rank: {self.tp_rank} must be below tp_size {self.tp_size}")
+        _non_negative_number("tp_tick_interval", self.tp_tick_interval)
+        _non_negative_number("tp_timeout", self.tp_timeout)
+        if self.tp_timeout == 0:
+            raise ConfigError("tp_timeout: must be above 0")
 
     def prefetch_timeout(self, num_tokens: int) -> float:
         """Seconds a ``timeout``-policy fetch waits for an L3 prefetch of `num_tokens`."""

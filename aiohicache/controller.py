@@ -6,8 +6,11 @@ Three workers share one task group:
   host->device copy and launches it;
 - the write worker does the same for device->host copies (write-through and write-back);
 - the settle worker applies finished copies to the tree at one point, `settle()`, in
-  submission order. This is where tensor-parallel ranks will agree on how many completions to
-  apply, so every tree mutation caused by a transfer happens there and nowhere else.
+  submission order, so every tree mutation caused by a transfer happens there and nowhere else.
+
+With tensor parallelism (`tp=True`) the settle worker only reports news: the consensus tick
+reads `local_done()` from every rank and calls `apply_done()` with the agreed (MIN) counts, and
+planned jobs are launched at once (`launch_now`) so every rank settles them in the same order.
 
 Planning (`plan_load`, `plan_write_through`, `alloc_device`) is synchronous: it mutates the
 tree and the allocators before any await, then the job goes to a worker.
@@ -28,7 +31,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ._concurrency import finish_then_cancel
 from .config import HiCacheConfig
-from .errors import CapacityError, WorkerError
+from .errors import CapacityError, TPError, WorkerError
 from .l3 import StorageTier
 from .memory import PageIds
 from .radix import DeviceState, Match, Node, PendingOp, RadixTree
@@ -117,7 +120,6 @@ class TransferCounters:
     worker_restarts: int = 0
 
 
-Agree = Callable[[tuple[int, int]], tuple[int, int]]
 J = TypeVar("J", bound=_Job)
 
 
@@ -125,14 +127,15 @@ class Controller:
     """Owns the tree's transfers: planning, the worker task group and settling."""
 
     def __init__(self, config: HiCacheConfig, tree: RadixTree, engine: TransferEngine, *,
-                 storage: StorageTier | None = None) -> None:
+                 storage: StorageTier | None = None, tp: bool = False) -> None:
         self.config = config
         self.tree = tree
         self.engine = engine
         self.storage = storage
         self.counters = TransferCounters()
         self.failure: BaseException | None = None
-        self.agree: Agree = lambda counts: counts  # replaced by the TP consensus tick
+        self.tp = tp
+        self.kick: Callable[[], None] = lambda: None  # TP: tells the consensus tick of news
         self._load_tx, self._load_rx = anyio.create_memory_object_stream[LoadJob](
             config.max_inflight_loads)
         self._write_tx, self._write_rx = anyio.create_memory_object_stream[WriteJob](
@@ -166,6 +169,8 @@ class Controller:
         return list(self._unsettled.values())
 
     def check_healthy(self) -> None:
+        if isinstance(self.failure, TPError):
+            raise type(self.failure)(str(self.failure)) from self.failure
         if self.failure is not None:
             raise WorkerError(f"the cache failed and refuses work: {self.failure!r}") \
                 from self.failure
@@ -242,6 +247,9 @@ class Controller:
             return
         staged.seal()
         self.demoting_pages += staged.num_pages
+        if self.tp:
+            self.launch_now(staged)
+            return
         self._unsettled[id(staged)] = staged
         self._queued += 1
         try:
@@ -253,6 +261,17 @@ class Controller:
             self._launch_writes([staged])
 
     # ------------------------------------------------------------------ submission (async)
+
+    def launch_now(self, job: _Job | None) -> None:
+        """Launch a planned job at once, bypassing the channels (TP: launch order = plan order,
+        which is the same on every rank, so settling in launch order is too)."""
+        if job is None:
+            return
+        self._unsettled[id(job)] = job
+        if isinstance(job, LoadJob):
+            self._launch_loads([job])
+        else:
+            self._launch_writes([job])
 
     async def submit_load(self, job: LoadJob) -> None:
         """Queue a planned load. Cancellation: deferred until the job is queued."""
@@ -375,15 +394,24 @@ class Controller:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            self.settle()
+            if self.tp:
+                self.kick()  # the consensus tick settles what every rank has finished
+            else:
+                self.settle()
 
     # ------------------------------------------------------------------ the completion point
 
     def settle(self) -> None:
         """Apply finished copies to the tree, oldest first. THE point where transfers mutate
-        state: ranks agree (`self.agree`) on how many to apply before any is applied."""
-        num_loads, num_writes = self.agree((_leading_done(self._loads),
-                                            _leading_done(self._writes)))
+        state (with TP, `apply_done` is called by the consensus tick instead)."""
+        self.apply_done(*self.local_done())
+
+    def local_done(self) -> tuple[int, int]:
+        """Launched loads and writes finished here, counted from the oldest (no gaps)."""
+        return _leading_done(self._loads), _leading_done(self._writes)
+
+    def apply_done(self, num_loads: int, num_writes: int) -> None:
+        """Settle the `num_loads` oldest loads and `num_writes` oldest writes."""
         for _ in range(num_loads):
             self._settle_load(self._loads.popleft())
         for _ in range(num_writes):

@@ -1,16 +1,19 @@
 """The error hierarchy of aiohicache, grouped by what the caller should do.
 
     HiCacheError
-     ├─ ConfigError (ValueError)      a configuration or argument is invalid: fix the call
-     ├─ CapacityError                 a pool cannot hold what was asked, even after eviction
-     ├─ ClosedError                   the cache was used after ``aclose()``
-     ├─ PageError (ValueError)        page ids handed back are foreign or already free
- ├─ InvariantError (AssertionError)  internal state is inconsistent: a bug, report it
-     ├─ WorkerError                   a background worker failed for good; the cache is degraded
-     ├─ TransferError                 moving bytes between tiers failed
- └─ StorageError                  the L3 backend failed (a miss for the request, never wrong KV)
-     ├─ StorageReadError          reading (exists, get) failed
-     └─ StorageWriteError         writing (set, delete) failed
+     ├─ ConfigError (ValueError)         a configuration or argument is invalid: fix the call
+     ├─ CapacityError                    a pool cannot hold what was asked, even after eviction
+     ├─ ClosedError                      the cache was used after ``aclose()``
+     ├─ PageError (ValueError)           page ids handed back are foreign or already free
+     ├─ InvariantError (AssertionError)  internal state is inconsistent: a bug, report it
+     ├─ WorkerError                      a background worker failed for good; the cache is degraded
+     ├─ TransferError                    moving bytes between tiers failed
+     ├─ StorageError                     the L3 backend failed (a miss, never wrong KV)
+     │   ├─ StorageReadError             reading (exists, get) failed
+     │   └─ StorageWriteError            writing (set, delete) failed
+     └─ TPError                          tensor-parallel ranks cannot agree; the cache stops
+         ├─ RankTimeoutError             another rank did not join a consensus tick in time
+         └─ DivergenceError              ranks reached different states (their calls differ)
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ __all__ = (
     "CapacityError",
     "ClosedError",
     "ConfigError",
+    "DivergenceError",
     "HiCacheError",
     "InvariantError",
     "PageError",
+    "RankTimeoutError",
     "StorageError",
     "StorageReadError",
     "StorageWriteError",
+    "TPError",
     "TransferError",
     "WorkerError",
 )
@@ -72,3 +78,15 @@ class StorageReadError(StorageError):
 
 class StorageWriteError(StorageError):
     """Writing to the storage backend failed."""
+
+
+class TPError(HiCacheError):
+    """Tensor-parallel ranks could not agree; this rank's cache stops serving."""
+
+
+class RankTimeoutError(TPError):
+    """Another rank did not join a consensus tick within ``tp_timeout`` (dead or stuck)."""
+
+
+class DivergenceError(TPError):
+    """The ranks' cache states differ: their request-path calls were not the same sequence."""

@@ -19,6 +19,12 @@
 - **Failures.** A backend error or a page that fails its checksum is a miss. Repeated errors
   open a breaker: L3 is bypassed for `storage_cooldown` seconds while L1/L2 keep serving, and
   `stats()` shows it.
+- **Tensor parallelism.** Each rank stores its own shard (the rank is in the key root); MLA KV
+  is replicated, so its keys carry no rank and each page is written by one rank, picked by the
+  page's key. The I/O runs per rank, but every decision that changes the tree is a *proposal*
+  (pages present, pages arrived, pages stored) that the consensus tick reduces with MIN and
+  applies on every rank in the same order (`tp_proposals` / `tp_apply`); the breaker and the
+  clock of the negative cache are agreed the same way.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import anyio
@@ -65,7 +72,8 @@ class StorageCounters:
 class PrefetchJob:
     """One prefetch of the pages ``start_page..`` of `tokens`; `done` gives pages inserted."""
 
-    __slots__ = ("done", "held", "inserted", "keys", "start_page", "tokens")
+    __slots__ = ("agreed", "done", "held", "inserted", "keys", "proposal", "reserved",
+                 "start_page", "tokens")
 
     def __init__(self, tokens: Tokens, start_page: int, keys: list[bytes]) -> None:
         self.tokens = tokens
@@ -75,12 +83,38 @@ class PrefetchJob:
         self.held: list[Node] = []
         """Host-only nodes of the match, pinned so reserving host pages cannot evict them."""
         self.done: anyio.Event = anyio.Event()
+        self.reserved: PageIds | None = None
+        """Host pages reserved for the read, not yet in the tree."""
+        self.proposal: int | None = None
+        """TP: this rank's result of the current phase, waiting for the tick."""
+        self.agreed: anyio.Event = anyio.Event()
+
+
+class _Backup:
+    """Host pages of `nodes` going to L3; `proposal` (TP) is the count of leading pages done."""
+
+    __slots__ = ("nodes", "proposal")
+
+    def __init__(self, nodes: list[Node]) -> None:
+        self.nodes = nodes
+        self.proposal: int | None = None
+
+
+TP_SLOTS = 8
+"""Prefetches (per phase) and backups whose results one consensus tick can agree on."""
+
+
+def shard(config: HiCacheConfig) -> tuple[int, int]:
+    """The (rank, size) naming this rank's L3 objects: MLA KV is the same on every rank, so
+    its objects are shared by all ranks (and by caches of any TP size)."""
+    return (0, 1) if config.spec.kind == "mla" else (config.tp_rank, config.tp_size)
 
 
 def page_format(config: HiCacheConfig) -> PageFormat:
     """The `PageFormat` a cache with `config` stores and expects in L3 (build backend
     objects passed as ``config.storage`` with it)."""
-    return PageFormat.make(namespace=f"{config.namespace}|tp={config.tp_rank}/{config.tp_size}",
+    rank, size = shard(config)
+    return PageFormat.make(namespace=f"{config.namespace}|tp={rank}/{size}",
                            spec_fingerprint=f"{config.spec.fingerprint()}|{config.host_layout}",
                            page_size=config.page_size, payload_bytes=config.page_bytes)
 
@@ -88,16 +122,19 @@ def page_format(config: HiCacheConfig) -> PageFormat:
 class StorageTier:
     """Prefetch and backup for one cache (see the module docstring)."""
 
-    def __init__(self, config: HiCacheConfig, tree: RadixTree, host_pool: HostPool) -> None:
+    def __init__(self, config: HiCacheConfig, tree: RadixTree, host_pool: HostPool, *,
+                 tp: bool = False) -> None:
         self.config = config
+        self.tp = tp
+        self.kick: Callable[[], None] = lambda: None  # TP: a proposal is ready for the tick
         self.tree = tree
         self.host_pool = host_pool
         ps = config.page_size
         self.fmt = page_format(config)
+        rank, size = shard(config)
         self.root = namespace_root(namespace=config.namespace,
                                    spec_fingerprint=config.spec.fingerprint(), page_size=ps,
-                                   layout=config.host_layout, tp_rank=config.tp_rank,
-                                   tp_size=config.tp_size)
+                                   layout=config.host_layout, tp_rank=rank, tp_size=size)
         self.backend: StorageBackend = backend_from_url(config.storage, self.fmt)  # type: ignore[arg-type]
         self._owns_backend = isinstance(config.storage, str)  # an object passed in is the caller's
         self.breaker = Breaker(failures_to_open=config.storage_failures_to_open,
@@ -106,11 +143,16 @@ class StorageTier:
         self.reserved_host: dict[int, PageIds] = {}  # prefetch id -> host pages not in tree
         self._inflight: dict[bytes, PrefetchJob] = {}
         self._misses: dict[bytes, float] = {}
-        self._backing_up: list[list[Node]] = []
+        self._backing_up: list[_Backup] = []
         self._backup_bytes = 0
         self._backup_room = anyio.Event()
         self._tg: TaskGroup | None = None
         self._changed = anyio.Event()
+        # TP: jobs waiting for the tick to agree on their phase, in plan order (same on all ranks)
+        self._counting: list[PrefetchJob] = []
+        self._reading: list[PrefetchJob] = []
+        self.agreed_now = 0.0          # TP: the tick's clock (MAX of the ranks' wall clocks)
+        self.agreed_bypass = False     # TP: some rank's breaker is open
 
     # ------------------------------------------------------------------ keys
 
@@ -130,6 +172,12 @@ class StorageTier:
     def start(self, tg: TaskGroup) -> None:
         self._tg = tg
 
+    def _now(self) -> float:
+        return self.agreed_now if self.tp else time.monotonic()
+
+    def _allow(self) -> bool:
+        return not self.agreed_bypass if self.tp else self.breaker.allow()
+
     def plan_prefetch(self, tokens: Tokens, path: list[Node]) -> PrefetchJob | None:
         """A prefetch for the pages after `path` (the L1+L2 match), or None.
 
@@ -140,86 +188,108 @@ class StorageTier:
         tail_pages = len(tokens) // ps - start
         if self._tg is None or tail_pages * ps < max(cfg.prefetch_threshold, 1):
             return None
-        if not self.breaker.allow():
+        if not self._allow():
             self.counters.bypassed += 1
             return None
         keys = self.keys(tokens, path)
         first = keys[start]
         if (job := self._inflight.get(first)) is not None:
             return job
-        if self._misses.get(first, 0.0) > time.monotonic():
+        if self._misses.get(first, -math.inf) > self._now():
             self.counters.negative_hits += 1
-            self.breaker.record_success()  # nothing was asked: release a half-open probe
+            if not self.tp:
+                self.breaker.record_success()  # nothing was asked: release a half-open probe
             return None
         job = PrefetchJob(tokens[:len(tokens) // ps * ps], start, keys)
         job.held = [n for n in path if not n.on_device]
         for node in job.held:
             self.tree.protect_host(node)
         self._inflight[first] = job
-        self._tg.start_soon(self._prefetch, job)
+        if self.tp:
+            self._counting.append(job)
+            self._tg.start_soon(self._prefetch_tp, job)
+        else:
+            self._tg.start_soon(self._prefetch, job)
         return job
 
     async def wait(self, job: PrefetchJob, num_tokens: int) -> None:
         """Wait for `job` as the policy says. Cancellation: only the wait stops."""
-        policy = self.config.prefetch_policy
-        if policy == "best_effort":
+        timeout = self.wait_seconds(num_tokens)
+        if timeout == 0:
             return
-        timeout = math.inf if policy == "wait_complete" else \
-            self.config.prefetch_timeout(num_tokens)
         with anyio.move_on_after(timeout):
             await job.done.wait()
+
+    def wait_seconds(self, num_tokens: int) -> float:
+        """How long a fetch of `num_tokens` waits for its prefetch (0: not at all)."""
+        policy = self.config.prefetch_policy
+        if policy == "best_effort":
+            return 0.0
+        return math.inf if policy == "wait_complete" else self.config.prefetch_timeout(num_tokens)
 
     async def _prefetch(self, job: PrefetchJob) -> None:
         """Task: exists -> reserve host pages -> get_into -> insert what arrived.
 
         Cancellation (cache closing): reserved pages are freed; nothing is inserted.
         """
-        first = job.keys[job.start_page]
-        reserved: PageIds | None = None
         try:
-            count = await self._count_present(job)
-            reserved = self._reserve(job, count)
-            if reserved is not None:
-                arrived = await self._read(job, reserved)
-                pages, reserved = reserved, None
-                self._insert(job, pages, arrived)
+            if self._on_count(job, await self._count_present(job)):
+                assert job.reserved is not None
+                self._on_arrived(job, await self._read(job, job.reserved))
         except Exception as exc:  # any failure of a prefetch is a miss, never a crash
             self._fail("prefetch", exc)
         finally:
-            del self._inflight[first]
-            for node in job.held:
-                self.tree.release_host(node)
-            job.held = []
-            job.done.set()
-            self._signal()
-            if reserved is not None:
-                self._unreserve(job, reserved)
+            self._finish(job)
+
+    async def _prefetch_tp(self, job: PrefetchJob) -> None:
+        """Task (TP): the same phases, each result proposed to and applied by the tick.
+
+        A failure here proposes 0 (a miss on this rank makes it a miss on all).
+        Cancellation (cache closing): reserved pages are freed; nothing is inserted.
+        """
+        try:
+            await self._propose(job, self._guarded("prefetch", self._count_present(job)))
+            if job.reserved is not None and not job.done.is_set():
+                await self._propose(job, self._guarded("prefetch", self._read(job, job.reserved)))
+        finally:
+            if not job.done.is_set():  # cancelled before the tick finished it
+                self._finish(job)
+
+    async def _guarded(self, what: str, work: Awaitable[int]) -> int:
+        try:
+            return await work
+        except Exception as exc:
+            self._fail(what, exc)
+            return 0
+
+    async def _propose(self, job: PrefetchJob, result: Awaitable[int]) -> None:
+        job.proposal = await result
+        self.kick()
+        await job.agreed.wait()
+        job.agreed = anyio.Event()
 
     async def _count_present(self, job: PrefetchJob) -> int:
         tail = [k.hex() for k in job.keys[job.start_page:]]
         count = await self.backend.exists(tail)
         self.breaker.record_success()
-        if count * self.config.page_size < max(self.config.prefetch_threshold, 1):
-            self.counters.prefetch_misses += 1
-            self._misses[job.keys[job.start_page]] = time.monotonic() + \
-                self.config.storage_miss_ttl
-            return 0
         return count
 
-    def _reserve(self, job: PrefetchJob, count: int) -> PageIds | None:
+    def _on_count(self, job: PrefetchJob, count: int) -> bool:
+        """Sync: L3 has `count` pages; reserve host pages for them. False: nothing to read."""
+        if count * self.config.page_size < max(self.config.prefetch_threshold, 1):
+            self.counters.prefetch_misses += 1
+            self._misses[job.keys[job.start_page]] = self._now() + self.config.storage_miss_ttl
+            return False
         budget = int(self.host_pool.num_pages * self.config.prefetch_host_fraction)
         held = sum(len(p) for p in self.reserved_host.values())
         count = min(count, budget - held)
         if count <= 0:
-            return None
-        pages = self.tree.alloc_host(count)
-        if pages is not None:
-            self.reserved_host[id(job)] = pages
-        return pages
-
-    def _unreserve(self, job: PrefetchJob, pages: PageIds) -> None:
-        self.reserved_host.pop(id(job), None)
-        self.tree.host_alloc.free(pages)
+            return False
+        job.reserved = self.tree.alloc_host(count)
+        if job.reserved is None:
+            return False
+        self.reserved_host[id(job)] = job.reserved
+        return True
 
     async def _read(self, job: PrefetchJob, pages: PageIds) -> int:
         keys = [k.hex() for k in job.keys[job.start_page:job.start_page + len(pages)]]
@@ -230,7 +300,10 @@ class StorageTier:
         self.breaker.record_success()
         return arrived
 
-    def _insert(self, job: PrefetchJob, pages: PageIds, arrived: int) -> None:
+    def _on_arrived(self, job: PrefetchJob, arrived: int) -> None:
+        """Sync: the first `arrived` reserved pages hold verified KV; insert them."""
+        pages, job.reserved = job.reserved, None
+        assert pages is not None
         self.reserved_host.pop(id(job), None)
         end = (job.start_page + arrived) * self.config.page_size
         nodes: list[Node] = []
@@ -245,6 +318,19 @@ class StorageTier:
         self.counters.prefetches += 1
         self.counters.prefetched_pages += job.inserted
 
+    def _finish(self, job: PrefetchJob) -> None:
+        """Sync: the prefetch is over; unpin, free what was not inserted, wake the waiters."""
+        self._inflight.pop(job.keys[job.start_page], None)
+        for node in job.held:
+            self.tree.release_host(node)
+        job.held = []
+        if job.reserved is not None:
+            self.reserved_host.pop(id(job), None)
+            self.tree.host_alloc.free(job.reserved)
+            job.reserved = None
+        job.done.set()
+        self._signal()
+
     # ------------------------------------------------------------------ backup
 
     def queue_backup(self, nodes: list[Node]) -> None:
@@ -254,57 +340,124 @@ class StorageTier:
                   and not all(n.stored or ())]
         if not picked or self._tg is None:
             return
-        if not self.breaker.allow():
+        if not self._allow():
             self.counters.bypassed += 1
             return
         for node in picked:
             self.tree.protect_host(node)  # its host pages stay put until the copy is done
-        self._backing_up.append(picked)
-        self._tg.start_soon(self._backup, picked)
+        backup = _Backup(picked)
+        self._backing_up.append(backup)
+        self._tg.start_soon(self._backup, backup)
 
-    async def _backup(self, nodes: list[Node]) -> None:
+    async def _backup(self, backup: _Backup) -> None:
         """Task: store the nodes' pages. Cancellation: the pins are released."""
+        nodes = backup.nodes
         nbytes = sum(n.num_pages for n in nodes) * self.config.page_bytes
+        ok: list[bool] = [False] * sum(n.num_pages for n in nodes)
         try:
             while self._backup_bytes and self._backup_bytes + nbytes > \
                     self.config.backup_max_inflight_bytes:
                 await self._backup_room.wait()
             self._backup_bytes += nbytes
             try:
-                await self._store(nodes)
+                ok = await self._store(nodes)
             finally:
                 self._backup_bytes -= nbytes
                 self._backup_room.set()
                 self._backup_room = anyio.Event()
         except Exception as exc:  # a failed backup loses nothing: the host copy stays
             self._fail("backup", exc)
-        finally:
-            self._backing_up.remove(nodes)
-            for node in nodes:
-                self.tree.release_host(node)
-            self._signal()
+        except BaseException:  # cancelled (closing): no tick will settle it, release here
+            self._on_stored(backup, ok)
+            raise
+        if self.tp:  # the tick applies the prefix every rank stored
+            backup.proposal = next((i for i, good in enumerate(ok) if not good), len(ok))
+            self.kick()
+        else:
+            self._on_stored(backup, ok)
 
-    async def _store(self, nodes: list[Node]) -> None:
+    async def _store(self, nodes: list[Node]) -> list[bool]:
+        """Write the nodes' pages (TP with MLA: only those this rank writes); per-page results,
+        True for a page another rank writes."""
         pages = np.concatenate([n.host_pages for n in nodes if n.host_pages is not None])
-        keys = [k.hex() for n in nodes for k in (n.hashes or ())]
-        with _PageBuffers(self.host_pool, pages, fill=True) as buffers:
-            ok = await self.backend.set_from(keys, buffers.views)
+        keys = [k for n in nodes for k in (n.hashes or ())]
+        mine = [self._writes(k) for k in keys]
+        ok = [True] * len(keys)
+        pick = [i for i, m in enumerate(mine) if m]
+        if pick:
+            with _PageBuffers(self.host_pool, pages[pick], fill=True) as buffers:
+                done = await self.backend.set_from([keys[i].hex() for i in pick], buffers.views)
+            for i, good in zip(pick, done, strict=True):
+                ok[i] = bool(good)
         self.breaker.record_success()
+        return ok
+
+    def _writes(self, key: bytes) -> bool:
+        """Whether this rank writes the page with `key` (MLA pages: one rank, by the key)."""
+        if self.config.spec.kind != "mla" or self.config.tp_size == 1:
+            return True
+        return int.from_bytes(key[:8], "little") % self.config.tp_size == self.config.tp_rank
+
+    def _on_stored(self, backup: _Backup, ok: list[bool]) -> None:
+        """Sync: record which pages are in L3, release the pins."""
         at = 0
-        for node in nodes:
+        for node in backup.nodes:
             done = ok[at:at + node.num_pages]
             at += node.num_pages
-            node.stored = [bool(a) or bool(b) for a, b in zip(
-                node.stored or [False] * node.num_pages, done, strict=True)]
-        for key, good in zip(keys, ok, strict=True):
-            if good:  # stored now: a negative-cache entry for it would hide a real hit
-                self._misses.pop(bytes.fromhex(key), None)
+            if node.alive:
+                node.stored = [bool(a) or bool(b) for a, b in zip(
+                    node.stored or [False] * node.num_pages, done, strict=True)]
+            for key, good in zip(node.hashes or (), done, strict=False):
+                if good:  # stored now: a negative-cache entry for it would hide a real hit
+                    self._misses.pop(key, None)
         self.counters.backed_up_pages += sum(ok)
         self.counters.backup_failed_pages += len(ok) - sum(ok)
+        self._backing_up.remove(backup)
+        for node in backup.nodes:
+            self.tree.release_host(node)
+        self._signal()
 
     def backup_holds(self) -> list[list[Node]]:
         """Node groups whose host pages a backup or prefetch holds (for invariant checks)."""
-        return [*self._backing_up, *(job.held for job in self._inflight.values())]
+        return [*(b.nodes for b in self._backing_up),
+                *(job.held for job in self._inflight.values())]
+
+    # ------------------------------------------------------------------ TP consensus
+
+    def tp_proposals(self) -> list[int]:
+        """This rank's results for the tick: `TP_SLOTS` each of prefetch counts, prefetch
+        arrivals and backups, oldest first, -1 where not ready (so MIN waits for every rank)."""
+        out: list[int] = []
+        for queue in (self._counting, self._reading, self._backing_up):
+            got = [-1 if item.proposal is None else item.proposal for item in queue[:TP_SLOTS]]
+            out.extend(got + [-1] * (TP_SLOTS - len(got)))
+        return out
+
+    def tp_apply(self, agreed: list[int]) -> None:
+        """Apply the results every rank has (the leading agreed slots of each queue)."""
+        counts, arrived, stored = (agreed[i * TP_SLOTS:(i + 1) * TP_SLOTS] for i in range(3))
+        for value in _leading(counts):
+            job = self._counting.pop(0)
+            job.proposal = None
+            if self._on_count(job, value):
+                self._reading.append(job)
+            else:
+                self._finish(job)
+            job.agreed.set()
+        for value in _leading(arrived):
+            job = self._reading.pop(0)
+            job.proposal = None
+            self._on_arrived(job, value)
+            self._finish(job)
+            job.agreed.set()
+        for value in _leading(stored):
+            backup = self._backing_up[0]
+            self._on_stored(backup, [i < value for i in range(sum(
+                n.num_pages for n in backup.nodes))])
+
+    def tp_local_bypass(self) -> bool:
+        """This rank's breaker is open (the tick ORs it over the ranks)."""
+        return self.breaker.state.value == "open"
 
     # ------------------------------------------------------------------ health
 
@@ -376,3 +529,11 @@ class _PageBuffers:
     def __exit__(self, *exc: object) -> None:
         self.views = []
 
+
+
+def _leading(agreed: list[int]) -> Iterator[int]:
+    """The agreed values up to the first slot some rank has no result for."""
+    for value in agreed:
+        if value < 0:
+            return
+        yield value
