@@ -91,12 +91,18 @@ class PrefetchJob:
 
 
 class _Backup:
-    """Host pages of `nodes` going to L3; `proposal` (TP) is the count of leading pages done."""
+    """Host pages of `nodes` going to L3; `proposal` (TP) is the count of leading pages done.
 
-    __slots__ = ("nodes", "proposal")
+    Keys and pages are taken when the backup is queued: a node may be split meanwhile (its
+    upper part then joins `nodes`, see `StorageTier._on_split`), but its pages stay put.
+    """
+
+    __slots__ = ("keys", "nodes", "pages", "proposal")
 
     def __init__(self, nodes: list[Node]) -> None:
         self.nodes = nodes
+        self.keys = [k for n in nodes for k in (n.hashes or ())]
+        self.pages = np.concatenate([n.host_pages for n in nodes if n.host_pages is not None])
         self.proposal: int | None = None
 
 
@@ -153,6 +159,7 @@ class StorageTier:
         self._reading: list[PrefetchJob] = []
         self.agreed_now = 0.0          # TP: the tick's clock (MAX of the ranks' wall clocks)
         self.agreed_bypass = False     # TP: some rank's breaker is open
+        tree.on_split.append(self._on_split)
 
     # ------------------------------------------------------------------ keys
 
@@ -351,16 +358,15 @@ class StorageTier:
 
     async def _backup(self, backup: _Backup) -> None:
         """Task: store the nodes' pages. Cancellation: the pins are released."""
-        nodes = backup.nodes
-        nbytes = sum(n.num_pages for n in nodes) * self.config.page_bytes
-        ok: list[bool] = [False] * sum(n.num_pages for n in nodes)
+        nbytes = len(backup.keys) * self.config.page_bytes
+        ok: list[bool] = [False] * len(backup.keys)
         try:
             while self._backup_bytes and self._backup_bytes + nbytes > \
                     self.config.backup_max_inflight_bytes:
                 await self._backup_room.wait()
             self._backup_bytes += nbytes
             try:
-                ok = await self._store(nodes)
+                ok = await self._store(backup)
             finally:
                 self._backup_bytes -= nbytes
                 self._backup_room.set()
@@ -376,11 +382,10 @@ class StorageTier:
         else:
             self._on_stored(backup, ok)
 
-    async def _store(self, nodes: list[Node]) -> list[bool]:
-        """Write the nodes' pages (TP with MLA: only those this rank writes); per-page results,
-        True for a page another rank writes."""
-        pages = np.concatenate([n.host_pages for n in nodes if n.host_pages is not None])
-        keys = [k for n in nodes for k in (n.hashes or ())]
+    async def _store(self, backup: _Backup) -> list[bool]:
+        """Write the backup's pages (TP with MLA: only those this rank writes); per-page
+        results, True for a page another rank writes."""
+        pages, keys = backup.pages, backup.keys
         mine = [self._writes(k) for k in keys]
         ok = [True] * len(keys)
         pick = [i for i, m in enumerate(mine) if m]
@@ -400,22 +405,24 @@ class StorageTier:
 
     def _on_stored(self, backup: _Backup, ok: list[bool]) -> None:
         """Sync: record which pages are in L3, release the pins."""
-        at = 0
+        done = {key for key, good in zip(backup.keys, ok, strict=True) if good}
         for node in backup.nodes:
-            done = ok[at:at + node.num_pages]
-            at += node.num_pages
-            if node.alive:
-                node.stored = [bool(a) or bool(b) for a, b in zip(
-                    node.stored or [False] * node.num_pages, done, strict=True)]
-            for key, good in zip(node.hashes or (), done, strict=False):
-                if good:  # stored now: a negative-cache entry for it would hide a real hit
-                    self._misses.pop(key, None)
+            if node.alive and node.hashes is not None:
+                node.stored = [bool(a) or key in done for a, key in zip(
+                    node.stored or [False] * node.num_pages, node.hashes, strict=True)]
+        for key in done:  # stored now: a negative-cache entry for it would hide a real hit
+            self._misses.pop(key, None)
         self.counters.backed_up_pages += sum(ok)
         self.counters.backup_failed_pages += len(ok) - sum(ok)
         self._backing_up.remove(backup)
         for node in backup.nodes:
             self.tree.release_host(node)
         self._signal()
+
+    def _on_split(self, node: Node, upper: Node) -> None:
+        for group in self.backup_holds():
+            if any(n is node for n in group):
+                group.append(upper)
 
     def backup_holds(self) -> list[list[Node]]:
         """Node groups whose host pages a backup or prefetch holds (for invariant checks)."""
@@ -452,8 +459,7 @@ class StorageTier:
             job.agreed.set()
         for value in _leading(stored):
             backup = self._backing_up[0]
-            self._on_stored(backup, [i < value for i in range(sum(
-                n.num_pages for n in backup.nodes))])
+            self._on_stored(backup, [i < value for i in range(len(backup.keys))])
 
     def tp_local_bypass(self) -> bool:
         """This rank's breaker is open (the tick ORs it over the ranks)."""

@@ -7,6 +7,7 @@ event loop calls the tree, so it takes no lock (design rule 1).
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
@@ -104,6 +105,8 @@ class RadixTree:
         self.root = Node(id=0, parent=None, key=np.empty(0, dtype=np.int64))
         self.root.lock_ref = 1  # the root is never evicted
         self._clock = 0
+        self.on_split: list[Callable[[Node, Node], None]] = []
+        """Called as ``hook(node, upper)`` when a node holding host refs is split."""
         self._num_nodes = 0
         self._evict_key: Callable[[Node], tuple[int, ...]] = (
             (lambda n: (n.last_access, n.id)) if eviction == "lru"
@@ -280,6 +283,9 @@ class RadixTree:
             upper.stored, node.stored = node.stored[:num_pages], node.stored[num_pages:]
         for op in {id(o): o for o in (node.load_op, node.write_op) if o is not None}.values():
             op.nodes.append(upper)
+        if node.host_ref:  # whoever protects node's host pages now protects upper's too
+            for hook in self.on_split:
+                hook(node, upper)
         node.key = node.key[cut:].copy()  # no views: a view would keep the old key alive
         node.parent = upper
         upper.children[node.key[:ps].tobytes()] = node
@@ -513,11 +519,22 @@ class RadixTree:
 
     # ------------------------------------------------------------------ checks
 
-    def fingerprint(self) -> int:
-        """A hash of the tree's shape and tier states (equal trees give equal values)."""
-        items = sorted((n.path_to_root().__len__(), n.key.tobytes(), n.device_state.value,
-                        n.host_state.value) for n in self.iter_nodes())
-        return hash(tuple(items))
+    def fingerprint(self, *, pages: bool = False) -> str:
+        """A digest of the tree's shape and tier states, stable across processes (equal trees
+        give equal values). With `pages`, page ids and ref counts count too (TP ranks agree
+        on those as well)."""
+        items = []
+        for n in self.iter_nodes():
+            item = [len(n.path_to_root()), n.key.tobytes(), n.device_state.value,
+                    n.host_state.value]
+            if pages:
+                item += [_page_bytes(n.device_pages), _page_bytes(n.host_pages), n.lock_ref,
+                         n.host_ref, n.hit_count, n.last_access]
+            items.append(repr(item))
+        h = hashlib.blake2b(digest_size=16)
+        for item in sorted(items):
+            h.update(item.encode())
+        return h.hexdigest()
 
     def check(self) -> None:
         """Raise `InvariantError` if the tree's structure or tier states are inconsistent."""
@@ -594,3 +611,7 @@ def _claim(seen: set[int], pages: PageIds | None, what: str) -> None:
     if len(ids) != len(pages) or ids & seen:
         raise InvariantError(f"{what} are referenced twice")
     seen |= ids
+
+
+def _page_bytes(pages: PageIds | None) -> bytes:
+    return b"-" if pages is None else pages.tobytes()
