@@ -17,6 +17,7 @@ import logging
 import math
 import time
 import warnings
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -137,6 +138,7 @@ class HiCache:
         self._pins: dict[int, Node] = {}  # live fetch contexts -> their deepest pinned node
         self._pin_ids = itertools.count()
         self._counters = _Counters()
+        self._calls_crc = 0  # TP: CRC of every fetched token sequence, in agreed order
         self._state: Literal["new", "open", "closing", "closed"] = "new"
         self._closer: asyncio.Future[None] | None = None
 
@@ -391,7 +393,7 @@ class HiCache:
         """Cheap numbers that equal caches share; the TP tick compares them across ranks."""
         c = self._counters
         return (self.device_pool.allocator.num_free, self.host_pool.allocator.num_free,
-                self.tree.num_nodes, self._num_leased, c.requests, c.prompt_tokens)
+                self.tree.num_nodes, self._num_leased, c.requests, self._calls_crc)
 
     def _storage_stats(self) -> dict[str, int | str] | None:
         if self.storage is None:
@@ -584,6 +586,7 @@ class FetchContext:
         cache = self._cache
         ctl, storage = cache._check_open(), cache.storage
         if self._prefetching is None:
+            cache._calls_crc = zlib.crc32(self.tokens.tobytes(), cache._calls_crc)
             match = cache.tree.match(self.tokens)
             job = storage.plan_prefetch(self.tokens, match.path) if storage else None
             if job is None:

@@ -37,7 +37,7 @@ import numpy as np
 from .config import HiCacheConfig
 from .controller import Controller
 from .distributed import TPGroup
-from .errors import DivergenceError, HiCacheError, TPError, WorkerError
+from .errors import DivergenceError, HiCacheError, RankTimeoutError, TPError, WorkerError
 from .l3 import TP_SLOTS, StorageTier
 
 __all__ = ("AGAIN", "Consensus", "Op")
@@ -51,7 +51,7 @@ AGAIN: Any = object()
 class Op:
     """One request-path call in the op log; `fn(op)` runs at a tick and returns its result."""
 
-    __slots__ = ("deadline", "fn", "future", "stop", "undo")
+    __slots__ = ("deadline", "fn", "future", "stop", "submitted", "undo")
 
     def __init__(self, fn: Callable[[Op], Any], undo: Callable[[Any], None] | None) -> None:
         self.fn = fn
@@ -62,6 +62,7 @@ class Op:
         """Local monotonic time after which this rank votes to stop waiting (set by `fn`)."""
         self.stop = False
         """Set by the tick once any rank voted to stop: `fn` must then finish."""
+        self.submitted = time.monotonic()
 
 
 class _Layout:
@@ -199,6 +200,7 @@ class Consensus:
         self.tick_seconds += time.perf_counter() - start
         self._check(agreed)
         self._apply(agreed)
+        self._check_lagging()
         self.ticks += 1
         for observer in self.on_tick:
             observer(self.ticks)
@@ -237,6 +239,14 @@ class Consensus:
                 f"rank {self.group.rank}: cache states differ across ranks at tick {self.ticks} "
                 f"(digest min {low.tolist()} max {high.tolist()}): the ranks' request-path "
                 "calls were not the same sequence")
+
+    def _check_lagging(self) -> None:
+        """A rank that ticks but never makes our call is as bad as one that is gone."""
+        if self._log and time.monotonic() - self._log[0].submitted > self.group.timeout:
+            raise RankTimeoutError(
+                f"rank {self.group.rank}/{self.group.size}: a call made here "
+                f"{time.monotonic() - self._log[0].submitted:.1f} s ago was not made by every "
+                "rank within the consensus tick timeout (a rank is stuck or its calls differ)")
 
     def _apply(self, agreed: np.ndarray) -> None:
         L, ctl = _Layout, self.controller

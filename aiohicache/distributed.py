@@ -14,6 +14,8 @@ than a hang.
 The vector is a few hundred bytes of host integers: a CPU (gloo) group is the right transport
 even when the model's collectives use NCCL, and it keeps the tick off the GPU streams.
 `TPGroup.single()` is the no-op group of one rank; it needs no torch.distributed at all.
+`TPGroup.local(n)` gives n ranks that live in one event loop (one cache each): the same
+consensus without processes, for testing a TP serving loop in an ordinary async test.
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ class TPGroup:
     def single(cls) -> TPGroup:
         """The group of one rank: every all-reduce returns its input."""
         return cls(rank=0, size=1)
+
+    @classmethod
+    def local(cls, size: int, *, timeout: float = 60.0) -> list[TPGroup]:
+        """`size` ranks in this event loop; rank r's cache takes element r."""
+        hub = _LocalHub(size, timeout)
+        return [_LocalGroup(hub, rank=r, size=size, timeout=timeout) for r in range(size)]
 
     @classmethod
     def new(cls, *, timeout: float = 60.0) -> TPGroup:
@@ -134,3 +142,43 @@ class TPGroup:
         """Stop the collective thread (the process group itself stays the caller's)."""
         if self._thread is not None:
             self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+class _LocalHub:
+    """The rendezvous of `TPGroup.local` ranks: round k completes when all have sent round k."""
+
+    def __init__(self, size: int, timeout: float) -> None:
+        self.size = size
+        self.timeout = timeout
+        self.rounds: dict[int, tuple[list[Vector], asyncio.Future[Vector]]] = {}
+
+
+class _LocalGroup(TPGroup):
+    def __init__(self, hub: _LocalHub, *, rank: int, size: int, timeout: float) -> None:
+        super().__init__(rank=rank, size=size, timeout=timeout)
+        if self._thread is not None:
+            self._thread.shutdown()
+            self._thread = None
+        self._hub = hub
+        self._round = 0
+
+    async def all_reduce_min(self, values: Vector) -> Vector:
+        if self._broken is not None:
+            raise TPError(f"{self!r} is broken: {self._broken}") from self._broken
+        hub, key = self._hub, self._round
+        self._round += 1
+        if key not in hub.rounds:
+            hub.rounds[key] = ([], asyncio.get_running_loop().create_future())
+        sent, done = hub.rounds[key]
+        sent.append(values.copy())
+        if len(sent) == hub.size:
+            del hub.rounds[key]
+            done.set_result(np.minimum.reduce(sent))
+        try:
+            async with asyncio.timeout(self.timeout):
+                return (await asyncio.shield(done)).copy()
+        except TimeoutError:
+            self._broken = RankTimeoutError(
+                f"rank {self.rank}/{self.size}: a consensus tick did not complete within "
+                f"{self.timeout:g} s (another rank is dead, stuck, or stopped ticking)")
+            raise self._broken from None

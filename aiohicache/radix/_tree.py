@@ -523,17 +523,17 @@ class RadixTree:
         """A digest of the tree's shape and tier states, stable across processes (equal trees
         give equal values). With `pages`, page ids and ref counts count too (TP ranks agree
         on those as well)."""
-        items = []
+        items: list[str] = []
         for n in self.iter_nodes():
-            item = [len(n.path_to_root()), n.key.tobytes(), n.device_state.value,
-                    n.host_state.value]
+            item: list[object] = [len(n.path_to_root()), n.key.tobytes(), n.device_state.value,
+                                  n.host_state.value]
             if pages:
                 item += [_page_bytes(n.device_pages), _page_bytes(n.host_pages), n.lock_ref,
                          n.host_ref, n.hit_count, n.last_access]
             items.append(repr(item))
         h = hashlib.blake2b(digest_size=16)
-        for item in sorted(items):
-            h.update(item.encode())
+        for text in sorted(items):
+            h.update(text.encode())
         return h.hexdigest()
 
     def check(self) -> None:
