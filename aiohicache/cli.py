@@ -111,6 +111,23 @@ def bench_redis_cmd(quick: bool) -> None:
     click.echo(run_redis_bench(quick))
 
 
+@bench.command("tp")
+@click.option("--ranks", default="2,4", show_default=True, help="TP sizes, comma-separated.")
+@click.option("--steps", type=click.IntRange(min=1), default=300, show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Fetches per scheduler step.")
+def bench_tp_cmd(ranks: str, steps: int, batch: int) -> None:
+    """Consensus tick overhead per scheduler step, TP (gloo processes) vs one rank."""
+    from .bench.tp import bench_tp, format_tp
+    try:
+        sizes = [int(x) for x in ranks.split(",") if x.strip()]
+    except ValueError as exc:
+        raise click.UsageError(f"--ranks: comma-separated ints, got {ranks!r}") from exc
+    if not sizes or min(sizes) < 2:
+        raise click.UsageError(f"--ranks: TP sizes of at least 2, got {ranks!r}")
+    click.echo(format_tp(bench_tp(sizes, steps=steps, batch=batch)))
+
+
 @bench.command("tree")
 @click.argument("trace", default="mooncake")
 @click.option("--limit", type=click.IntRange(min=1), default=None)
