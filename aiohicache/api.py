@@ -208,7 +208,7 @@ class HiCache:
         ctl = self.controller
         if self._tp is not None and not self._tp.finished.done():
             # Closing is an op: every rank stops ticking at the same tick, once all is settled.
-            self._tp.post(self._tp.close_op)
+            self._tp.post(self._tp.close_op, lazy=False)
             with anyio.move_on_after(self.config.tp_timeout + 60):
                 await asyncio.shield(self._tp.finished)
         await ctl.close_channels()

@@ -51,11 +51,14 @@ AGAIN: Any = object()
 class Op:
     """One request-path call in the op log; `fn(op)` runs at a tick and returns its result."""
 
-    __slots__ = ("deadline", "fn", "future", "stop", "submitted", "undo")
+    __slots__ = ("deadline", "fn", "future", "lazy", "stop", "submitted", "undo")
 
-    def __init__(self, fn: Callable[[Op], Any], undo: Callable[[Any], None] | None) -> None:
+    def __init__(self, fn: Callable[[Op], Any], undo: Callable[[Any], None] | None, *,
+                 lazy: bool = False) -> None:
         self.fn = fn
         self.undo = undo
+        self.lazy = lazy
+        """Nobody waits for it (a release): it rides along with the next tick."""
         self.future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.future.add_done_callback(_retrieved)  # a cancelled caller's error is not "lost"
         self.deadline: float | None = None
@@ -90,6 +93,7 @@ class Consensus:
         self._log: deque[Op] = deque()      # submitted, not yet run
         self._waiting: list[Op] = []        # ran, returned AGAIN; run again every tick
         self._news = asyncio.Event()
+        self._urgent = 0                    # ops in the log that someone waits for
         self.ticks = 0
         self.tick_seconds = 0.0             # time spent in the collective, for stats
         self.closing = False
@@ -106,12 +110,15 @@ class Consensus:
         """Something happened that the next tick should report."""
         self._news.set()
 
-    def submit(self, fn: Callable[[Op], Any], undo: Callable[[Any], None] | None = None) -> Op:
+    def submit(self, fn: Callable[[Op], Any], undo: Callable[[Any], None] | None = None, *,
+               lazy: bool = False) -> Op:
         if self.finished.done():
             raise self._closed_error()
-        op = Op(fn, undo)
+        op = Op(fn, undo, lazy=lazy)
         self._log.append(op)
-        self.kick()
+        if not lazy:
+            self._urgent += 1
+            self.kick()
         return op
 
     async def call(self, fn: Callable[[Op], Any],
@@ -131,9 +138,13 @@ class Consensus:
                 self.submit(lambda _: self._cancel(op))
             raise
 
-    def post(self, fn: Callable[[Op], Any]) -> None:
-        """Queue `fn` without waiting for it (errors are logged: the caller has gone on)."""
-        self.submit(fn).future.add_done_callback(_log_failure)
+    def post(self, fn: Callable[[Op], Any], *, lazy: bool = True) -> None:
+        """Queue `fn` without waiting for it (errors are logged: the caller has gone on).
+
+        A lazy op starts no tick of its own: it runs, in log order, at the next tick that
+        something else starts (releases between scheduler steps cost no extra collective).
+        """
+        self.submit(fn, lazy=lazy).future.add_done_callback(_log_failure)
 
     def _cancel(self, op: Op) -> None:
         if op in self._waiting:
@@ -186,9 +197,9 @@ class Consensus:
                 await self._news.wait()
             self._news.clear()
             return
-        # Idle everywhere: only a call of our own starts a tick (a late completion signal
-        # must not, or this rank would wait alone in the collective).
-        while not self._log:
+        # Idle everywhere: only a call of our own that someone awaits starts a tick (a late
+        # completion signal must not, or this rank would wait alone in the collective).
+        while not self._urgent:
             await self._news.wait()
             self._news.clear()
 
@@ -242,10 +253,11 @@ class Consensus:
 
     def _check_lagging(self) -> None:
         """A rank that ticks but never makes our call is as bad as one that is gone."""
-        if self._log and time.monotonic() - self._log[0].submitted > self.group.timeout:
+        oldest = next((op for op in self._log if not op.lazy), None)
+        if oldest is not None and time.monotonic() - oldest.submitted > self.group.timeout:
             raise RankTimeoutError(
                 f"rank {self.group.rank}/{self.group.size}: a call made here "
-                f"{time.monotonic() - self._log[0].submitted:.1f} s ago was not made by every "
+                f"{time.monotonic() - oldest.submitted:.1f} s ago was not made by every "
                 "rank within the consensus tick timeout (a rank is stuck or its calls differ)")
 
     def _apply(self, agreed: np.ndarray) -> None:
@@ -264,6 +276,7 @@ class Consensus:
         self._waiting = [op for op in self._waiting if not self._run(op)]
         for _ in range(int(agreed[L.OPS])):
             op = self._log.popleft()
+            self._urgent -= not op.lazy
             if not self._run(op):
                 self._waiting.append(op)
 
@@ -295,6 +308,7 @@ class Consensus:
                 op.future.set_exception(exc)
         self._waiting.clear()
         self._log.clear()
+        self._urgent = 0
 
     def _closed_error(self) -> HiCacheError:
         failure = self.controller.failure
