@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,16 @@ def tp_caches(size: int, *, timeout: float = 10.0, **overrides: Any) -> list[HiC
     groups = TPGroup.local(size, timeout=timeout)
     return [HiCache(make_config(tp_rank=r, tp_size=size, tp_timeout=timeout, **overrides),
                     tp_group=groups[r]) for r in range(size)]
+
+
+@contextlib.asynccontextmanager
+async def opened(caches: list[HiCache]) -> AsyncIterator[list[HiCache]]:
+    for cache in caches:
+        await cache.__aenter__()
+    try:
+        yield caches
+    finally:
+        await asyncio.gather(*(c.aclose() for c in caches))
 
 
 async def on_ranks(caches: list[HiCache], fn: RankFn) -> list[Any]:
@@ -191,33 +201,23 @@ async def cancel_on_every_rank(caches: list[HiCache], start: RankFn,
 
 async def test_cancel_a_queued_fetch() -> None:
     caches = tp_caches(2)
-    for c in caches:
-        await c.__aenter__()
-    try:
+    async with opened(caches):
         async def enter(r: int, cache: HiCache) -> None:
             async with cache.fetch(make_tokens(16)):
                 await asyncio.sleep(10)
         await cancel_on_every_rank(caches, enter)
         assert all(not c._pins for c in caches)
-    finally:
-        await asyncio.gather(*(c.aclose() for c in caches))
 
 
 async def test_cancel_an_allocate_in_flight() -> None:
     caches = tp_caches(2)
-    for c in caches:
-        await c.__aenter__()
-    try:
+    async with opened(caches):
         await cancel_on_every_rank(caches, lambda r, c: c.allocate(8))
-    finally:
-        await asyncio.gather(*(c.aclose() for c in caches))
 
 
 async def test_cancel_a_commit_in_flight() -> None:
     caches = tp_caches(2)
-    for c in caches:
-        await c.__aenter__()
-    try:
+    async with opened(caches):
         async def commit(r: int, cache: HiCache) -> None:
             tokens = make_tokens(12)
             async with cache.fetch(tokens) as hit:
@@ -225,8 +225,6 @@ async def test_cancel_a_commit_in_flight() -> None:
                 fill_kv(cache, slots, tokens)
                 await hit.commit(tokens, slots)
         await cancel_on_every_rank(caches, commit, after=0.0)
-    finally:
-        await asyncio.gather(*(c.aclose() for c in caches))
 
 
 async def test_cancel_a_fetch_waiting_for_its_prefetch() -> None:
@@ -242,9 +240,7 @@ async def test_cancel_a_fetch_waiting_for_its_prefetch() -> None:
     assert filler.stats().storage is not None and filler.stats().storage["backed_up_pages"] > 0
     slow = FaultyBackend(store, seed=0, latency=(0.3, 0.3))
     caches = tp_caches(2, storage=slow, prefetch_policy="wait_complete", **cfg)
-    for c in caches:
-        await c.__aenter__()
-    try:
+    async with opened(caches):
         async def enter(r: int, cache: HiCache) -> None:
             async with cache.fetch(tokens):
                 pass
@@ -252,8 +248,6 @@ async def test_cancel_a_fetch_waiting_for_its_prefetch() -> None:
         hits = await on_ranks(caches, lambda r, c: serve(c, tokens))
         assert hits[0] == hits[1] == 32  # the prefetch went on and serves later requests
         assert caches[0].stats().storage["prefetched_pages"] == 8  # type: ignore[index]
-    finally:
-        await asyncio.gather(*(c.aclose() for c in caches))
 
 
 async def test_close_is_agreed_and_leaves_nothing_running() -> None:
