@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install replay test test-gpu lint demo bench clean
+.PHONY: install replay test test-gpu lint check-kernels demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ test-gpu: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check aiohicache tests
 	$(BIN)/mypy
+
+# Compile every CUDA source as NVRTC would at run time, so a syntax error fails CI (no GPU needed).
+check-kernels:
+	@for f in kernels/*.cu; do \
+		echo "nvcc $$f"; nvcc -std=c++17 -arch=sm_90 -cubin -o /tmp/aiohicache-$$(basename $$f).cubin $$f || exit 1; \
+	done
 
 replay: $(STAMP)
 	$(BIN)/aiohicache replay
