@@ -232,11 +232,14 @@ class Consensus:
             v[L.NEG_BYPASS] = -int(self.storage.tp_local_bypass())
             v[L.STORAGE:L.STOPS] = self.storage.tp_proposals()
         now = time.monotonic()
-        stops = [op for op in self._waiting if op.deadline is not None][:TP_SLOTS]
-        v[L.STOPS:L.STOPS + len(stops)] = [-int(now >= op.deadline) for op in stops
-                                           if op.deadline is not None]
-        v[L.STOPS + len(stops):] = 0
+        v[L.STOPS:] = 0
+        for i, (_, deadline) in enumerate(self._voters()):
+            v[L.STOPS + i] = -int(now >= deadline)
         return v
+
+    def _voters(self) -> list[tuple[Op, float]]:
+        """The oldest waiting ops with a deadline: one stop-vote slot each."""
+        return [(op, op.deadline) for op in self._waiting if op.deadline is not None][:TP_SLOTS]
 
     def _check(self, agreed: np.ndarray) -> None:
         L = _Layout
@@ -270,9 +273,8 @@ class Consensus:
             self.storage.agreed_now = -int(agreed[L.NEG_CLOCK]) / 1000
             self.storage.agreed_bypass = bool(agreed[L.NEG_BYPASS] < 0)
             self.storage.tp_apply([int(x) for x in agreed[L.STORAGE:L.STOPS]])
-        stops = [op for op in self._waiting if op.deadline is not None][:TP_SLOTS]
-        for op, vote in zip(stops, agreed[L.STOPS:L.STOPS + len(stops)], strict=True):
-            op.stop = op.stop or bool(vote < 0)
+        for i, (op, _) in enumerate(self._voters()):
+            op.stop = op.stop or bool(agreed[L.STOPS + i] < 0)
         self._waiting = [op for op in self._waiting if not self._run(op)]
         for _ in range(int(agreed[L.OPS])):
             op = self._log.popleft()

@@ -191,6 +191,28 @@ async def launch(aw: Coroutine[Any, Any, Any], how: How, *,
         await anyio.wait_all_tasks_blocked()
     return flight
 
+async def cancel_the_one_that_waits(request: Callable[[list[int]], Coroutine[Any, Any, Any]],
+                                    how: How, *, waiting: Callable[[list[int]], bool],
+                                    gate: threading.Event, what: str) -> list[Flight]:
+    """Launch `request` for each of SEQS until one waits for room (`waiting`), cancel that
+    one, open the engine's `gate`; return the others, each checked to have completed."""
+    flights = []
+    for tokens in SEQS:
+        flights.append(await launch(request(tokens), how))
+        if waiting(tokens):
+            break
+    else:
+        pytest.fail(f"the {what} queue never filled up")
+    blocked = flights.pop()
+    blocked.cancel()
+    await anyio.wait_all_tasks_blocked()
+    gate.set()
+    await blocked.cancelled()
+    for other in flights:
+        assert await other.outcome() == "completed"
+    return flights
+
+
 
 # ------------------------------------------------------------------------------ checks
 
@@ -362,20 +384,10 @@ async def test_request_cancelled_while_its_load_is_queued_unpins_and_the_load_st
                 entered.append(tokens)
                 await hit.ready()
 
-        flights = []
-        for tokens in SEQS:  # fill the load queue until a fetch has to wait for room
-            flights.append(await launch(request(tokens), how))
-            if tokens not in entered:
-                break
-        else:
-            pytest.fail("the load queue never filled up")
-        blocked = flights.pop()
-        blocked.cancel()
-        await anyio.wait_all_tasks_blocked()
-        engine.loads.set()
-        await blocked.cancelled()
-        for other in flights:
-            assert await other.outcome() == "completed"
+        # fill the load queue until a fetch has to wait for room
+        await cancel_the_one_that_waits(
+            request, how, waiting=lambda tokens: tokens not in entered,
+            gate=engine.loads, what="load")
         await assert_clean(cache)
         await assert_fetch_returns_computed_kv(cache, *SEQS)
 
@@ -551,20 +563,10 @@ async def test_commit_cancelled_while_its_write_through_is_queued_still_writes(
                 await hit.commit(tokens, slots)
                 committed.append(tokens)
 
-        flights = []
-        for tokens in SEQS:  # fill the write queue until a commit has to wait for room
-            flights.append(await launch(request(tokens), how))
-            if tokens in committing and tokens not in committed:
-                break
-        else:
-            pytest.fail("the write queue never filled up")
-        blocked = flights.pop()
-        blocked.cancel()
-        await anyio.wait_all_tasks_blocked()
-        engine.writes.set()
-        await blocked.cancelled()
-        for other in flights:
-            assert await other.outcome() == "completed"
+        # fill the write queue until a commit has to wait for room
+        flights = await cancel_the_one_that_waits(
+            request, how, waiting=lambda tokens: tokens in committing and tokens not in committed,
+            gate=engine.writes, what="write")
         await assert_clean(cache)
         written = SEQS[:len(flights) + 1]
         assert cache.stats().host_pages_used == len(written), "a write-through was dropped"
@@ -588,20 +590,10 @@ async def test_request_cancelled_while_queueing_the_write_through_its_hit_starte
             async with cache.fetch(tokens):  # the second hit: starts the write-through
                 entered.append(tokens)
 
-        flights = []
-        for tokens in SEQS:  # fill the write queue until a fetch has to wait for room
-            flights.append(await launch(request(tokens), how))
-            if tokens not in entered:
-                break
-        else:
-            pytest.fail("the write queue never filled up")
-        blocked = flights.pop()
-        blocked.cancel()
-        await anyio.wait_all_tasks_blocked()
-        engine.writes.set()
-        await blocked.cancelled()
-        for other in flights:
-            assert await other.outcome() == "completed"
+        # fill the write queue until a fetch has to wait for room
+        flights = await cancel_the_one_that_waits(
+            request, how, waiting=lambda tokens: tokens not in entered,
+            gate=engine.writes, what="write")
         await assert_clean(cache)
         written = SEQS[:len(flights) + 1]
         assert cache.stats().host_pages_used == len(written), "a write-through was dropped"

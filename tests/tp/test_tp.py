@@ -96,7 +96,8 @@ def test_write_back_and_wait_complete(tmp_path: Path) -> None:
 def test_mla_pages_are_written_once_and_read_by_every_rank(tmp_path: Path) -> None:
     store = tmp_path / "store"
     reports = run_ranks(tmp_path, 2, seed=3, steps=20, mla=True, storage=f"file://{store}",
-                        storage_errors=0.0, storage_corrupt=0.0)
+                        storage_errors=0.0, storage_corrupt=0.0, revisit=True, batch=2,
+                        device_pages=40, host_pages=16, prefetch_policy="wait_complete")
     assert_ranks_agree(reports)
     final = reports[0]["final"]
     assert final["storage_hit_tokens"] > 0  # each rank read pages the other one wrote

@@ -150,6 +150,16 @@ class Scheduler:
             await ctx.__aexit__(None, None, None)
 
 
+    async def revisit(self) -> None:
+        """After the backups settled: every family's prefix again, one by one (with a small
+        L1+L2 most of them come back from L3)."""
+        await asyncio.sleep(0.1)  # past the negative cache's TTL
+        for base in self.families:
+            async with self.cache.fetch(base) as hit:
+                await hit.ready()
+                self.check_kv(hit.device_indices, base)
+
+
 def shared_stats(cache: HiCache) -> dict[str, Any]:
     stats = cache.stats()
     out = {k: getattr(stats, k) for k in SHARED_STATS}
@@ -205,6 +215,9 @@ async def run(args: dict[str, Any], out: dict[str, Any]) -> None:
                 await scheduler.step(step)
                 cache.check_invariants()
             await cache.drain()
+            if args["revisit"]:
+                await scheduler.revisit()
+                await cache.drain()
             out["final"] = shared_stats(cache)
             out["fingerprint"] = cache.tree.fingerprint(pages=True)
             out["tp"] = cache.stats().tp
@@ -231,7 +244,7 @@ DEFAULTS: dict[str, Any] = {
     "host_pages": 64, "write_policy": "write_through", "storage": "memory://",
     "storage_errors": 0.05, "storage_corrupt": 0.02, "storage_latency": 0.004,
     "copy_delay": 0.004, "prefetch_policy": "timeout", "prefetch_timeout": 0.01,
-    "tp_timeout": 20.0, "scenario": "normal", "die_at": 5,
+    "tp_timeout": 20.0, "scenario": "normal", "die_at": 5, "revisit": False,
 }
 
 
