@@ -14,6 +14,7 @@ import torch
 from ..config import KVSpec
 from ..errors import ConfigError
 from ._allocator import PageAllocator, PageIds
+from .pinned import register
 
 __all__ = ("DevicePool", "HostPool")
 
@@ -124,9 +125,12 @@ class HostPool(_PagePool):
       pool, so per-layer transfers read one contiguous run per layer.
     - ``page_first``: ``[num_pages, num_kv, num_layers, page_size, *row]`` keeps every page in
       one contiguous block, so one page is one storage object without a gather.
+
+    With ``pin_memory=True`` the pool is page-locked for DMA with ``cudaHostRegister`` of
+    exactly its bytes (see `aiohicache.memory.pinned`); `close()` unlocks it.
     """
 
-    __slots__ = ("layout",)
+    __slots__ = ("_registration", "layout")
 
     def __init__(self, spec: KVSpec, *, num_pages: int, page_size: int,
                  layout: Literal["layer_first", "page_first"] = "page_first",
@@ -139,7 +143,18 @@ class HostPool(_PagePool):
             shape = (spec.num_kv, spec.num_layers, num_pages, page_size, *spec.row_shape)
         else:
             shape = (num_pages, spec.num_kv, spec.num_layers, page_size, *spec.row_shape)
-        self.data = torch.zeros(shape, dtype=spec.dtype, pin_memory=pin_memory)
+        self.data = torch.zeros(shape, dtype=spec.dtype)
+        self._registration = register(self.data) if pin_memory else None
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the pool is page-locked (registered with CUDA) right now."""
+        return self._registration is not None and self._registration.active
+
+    def close(self) -> None:
+        """Unlock the pool's pages (idempotent). Copies that use them must have finished."""
+        if self._registration is not None:
+            self._registration.close()
 
     def layer_view(self, kv: int, layer: int) -> torch.Tensor:
         if self.layout == "layer_first":

@@ -9,7 +9,7 @@ forward pass can start on layer 0 while later layers are still in flight.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from ..errors import TransferError
@@ -26,7 +26,7 @@ class TransferHandle:
     handle never cancels it: many requests may await one shared load.
     """
 
-    __slots__ = ("_callbacks", "_done", "_layers", "_loop", "nbytes", "num_layers")
+    __slots__ = ("_callbacks", "_done", "_events", "_layers", "_loop", "nbytes", "num_layers")
 
     def __init__(self, *, num_layers: int, nbytes: int) -> None:
         self._loop = asyncio.get_running_loop()
@@ -35,6 +35,7 @@ class TransferHandle:
         self._layers = [self._loop.create_future() for _ in range(num_layers)]
         self._done = self._loop.create_future()
         self._callbacks: list[Callable[[TransferHandle], None]] = []
+        self._events: Sequence[object] | None = None  # set by engines that record CUDA events
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
@@ -48,6 +49,14 @@ class TransferHandle:
 
     def exception(self) -> BaseException | None:
         return self._done.exception() if self._done.done() else None
+
+    def layer_event(self, layer: int) -> object | None:
+        """The CUDA event recorded after `layer` of this copy, or None (CPU engine).
+
+        ``stream.wait_event(handle.layer_event(i))`` orders later work on a compute stream
+        after the layer's copy on the GPU, with no host sync.
+        """
+        return self._events[layer] if self._events is not None else None
 
     async def wait_layer(self, layer: int) -> None:
         """Wait until `layer` is in place.
