@@ -18,7 +18,7 @@ import math
 import time
 import warnings
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal, Self
@@ -45,6 +45,7 @@ __all__ = ("CacheStats", "FetchContext", "HiCache")
 log = logging.getLogger(__name__)
 
 TokenInput = Sequence[int] | torch.Tensor | np.ndarray
+EngineFactory = Callable[[DevicePool, HostPool], TransferEngine]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +111,14 @@ class HiCache:
 
     With tensor parallelism (``config.tp_size > 1``) pass the ranks' `TPGroup`; every rank
     must then make the same request-path calls in the same order (docs/tensor-parallel.md).
+
+    `engine` replaces the transfer engine the config chooses: an engine, or a callable
+    ``(device_pool, host_pool) -> engine`` called once the pools exist (e.g. a
+    `CudaTransferEngine` with a given producer stream).
     """
 
-    def __init__(self, config: HiCacheConfig, *, engine: TransferEngine | None = None,
+    def __init__(self, config: HiCacheConfig, *,
+                 engine: TransferEngine | EngineFactory | None = None,
                  tp_group: TPGroup | None = None) -> None:
         if not isinstance(config, HiCacheConfig):
             raise ConfigError(f"config: must be a HiCacheConfig, got {type(config).__name__}")
@@ -123,7 +129,8 @@ class HiCache:
         self.device_pool = DevicePool(config.spec, num_pages=config.device_pages,
                                       page_size=config.page_size, device=config.device)
         self.host_pool = HostPool(config.spec, num_pages=config.host_capacity_pages,
-                                  page_size=config.page_size, layout=config.host_layout)
+                                  page_size=config.page_size, layout=config.host_layout,
+                                  pin_memory=config.device != "cpu")
         self.tree = RadixTree(page_size=config.page_size,
                               device_alloc=self.device_pool.allocator,
                               host_alloc=self.host_pool.allocator, eviction=config.eviction)
@@ -152,7 +159,7 @@ class HiCache:
     async def __aenter__(self) -> Self:
         if self._state != "new":
             raise ClosedError("a HiCache can be opened once")
-        engine = self._engine or self._default_engine()
+        engine = self._make_engine()
         self._controller = Controller(self.config, self.tree, engine, storage=self.storage,
                                       tp=self.tp_group is not None)
         if self.tp_group is not None:
@@ -172,11 +179,18 @@ class HiCache:
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         await self.aclose()
 
-    def _default_engine(self) -> TransferEngine:
-        if self.config.resolved_io_backend != "cpu":
-            raise ConfigError(f"io_backend: {self.config.resolved_io_backend!r} needs the CUDA "
-                              "engine (pass engine=...); only 'cpu' is built in so far")
-        return CpuTransferEngine(self.device_pool, self.host_pool)
+    def _make_engine(self) -> TransferEngine:
+        if isinstance(self._engine, TransferEngine):
+            return self._engine
+        if self._engine is not None:
+            return self._engine(self.device_pool, self.host_pool)
+        backend = self.config.resolved_io_backend
+        if backend == "cpu":
+            return CpuTransferEngine(self.device_pool, self.host_pool)
+        from .transfer.cuda import CudaTransferEngine  # imports CuPy: only on CUDA
+
+        return CudaTransferEngine(self.device_pool, self.host_pool, backend=backend,
+                                  ctas=self.config.transfer_ctas)
 
     async def _run(self, started: asyncio.Future[None]) -> None:
         assert self._controller is not None
@@ -197,6 +211,7 @@ class HiCache:
         """
         if self._state == "new":
             self._state = "closed"
+            self.host_pool.close()
         if self._state == "closed" and self._closer is None:
             return
         if self._closer is None:
@@ -221,6 +236,7 @@ class HiCache:
         await ctl.engine.aclose()
         if self.storage is not None:
             await self.storage.aclose()
+        self.host_pool.close()  # unpin: no copy uses it any more
         if self.tp_group is not None:
             self.tp_group.close()
         self._state = "closed"
@@ -660,20 +676,35 @@ class FetchContext:
         leases, self._leases = self._leases, []
         self._cache._release_context(pin, leases, self._owner)
 
-    async def layer_ready(self, layer: int) -> None:
+    async def layer_ready(self, layer: int, *, stream: torch.cuda.Stream | None = None) -> None:
         """Wait until `layer` of the cached prefix is on the device.
+
+        With a CUDA `stream`, return as soon as `stream` is ordered after the layer's copies
+        (``stream.wait_event`` on each load's layer event): the GPU waits, the host does not,
+        so the forward pass can be enqueued while the copy runs. Loads whose engine records
+        no CUDA events (the CPU engine) are waited for on the host.
 
         Raises:
             ConfigError: no such layer.
-            TransferError: a load this request depends on failed.
+            TransferError: a load this request depends on failed (host waits only: a GPU-side
+                wait cannot see a copy fail; the cache reports it in `health`).
 
         Cancellation: cancels only the wait; loads go on and stay shared with other requests.
         """
-        if not 0 <= layer < self._cache.config.spec.num_layers:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not (
+                0 <= layer < self._cache.config.spec.num_layers):
             raise ConfigError(f"layer: must be in 0..{self._cache.config.spec.num_layers - 1}, "
                               f"got {layer!r}")
         for job in self._jobs:
-            await job.wait_layer(layer)
+            if stream is None:
+                await job.wait_layer(layer)
+                continue
+            handle = await job.launched_handle()
+            event = handle.layer_event(layer)
+            if event is None or handle.done():
+                await handle.wait_layer(layer)
+            else:
+                stream.wait_event(event)  # type: ignore[arg-type]
 
     async def ready(self) -> None:
         """Wait until every layer of the cached prefix is on the device (see `layer_ready`)."""

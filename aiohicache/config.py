@@ -205,6 +205,8 @@ class HiCacheConfig:
     """Host-resident tails shorter than this many tokens are recomputed instead of loaded."""
     io_backend: IOBackend = "auto"
     """Transfer engine: ``cpu`` on CPU; ``kernel`` or ``direct`` on CUDA; ``auto`` chooses."""
+    transfer_ctas: int = 4
+    """CUDA ``kernel`` backend: CTAs one copy may use, i.e. the SMs taken from the forward pass."""
     eviction: Eviction = "lru"
     """Order in which unpinned leaves leave a tier: least recently or least frequently used."""
     namespace: str = "default"
@@ -269,6 +271,10 @@ class HiCacheConfig:
         if self.device == "cpu" and self.io_backend in ("kernel", "direct"):
             raise ConfigError(f"io_backend: {self.io_backend!r} needs a CUDA device; "
                               "use 'cpu' or 'auto' with device='cpu'")
+        if self.device != "cpu" and self.io_backend == "cpu":
+            raise ConfigError("io_backend: 'cpu' copies CPU pools only; with a CUDA device "
+                              "use 'kernel', 'direct' or 'auto'")
+        _positive_int("transfer_ctas", self.transfer_ctas, upper=1024)
         _choice("eviction", self.eviction, ("lru", "lfu"))
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"namespace: must be a non-empty str, got {self.namespace!r}")

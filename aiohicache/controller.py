@@ -61,18 +61,19 @@ class _Job(PendingOp):
     def done(self) -> bool:
         return self.handle is not None and self.handle.done()
 
+    async def launched_handle(self) -> TransferHandle:
+        """The copy's handle, once a worker has launched it. Cancellation: only the wait."""
+        if self.handle is None:
+            await asyncio.shield(self.launched)
+        assert self.handle is not None
+        return self.handle
+
     async def wait_layer(self, layer: int) -> None:
         """Wait until `layer` of this job's pages is in place. Cancellation: only the wait."""
-        if self.handle is None:
-            await asyncio.shield(self.launched)
-        assert self.handle is not None
-        await self.handle.wait_layer(layer)
+        await (await self.launched_handle()).wait_layer(layer)
 
     async def wait(self) -> None:
-        if self.handle is None:
-            await asyncio.shield(self.launched)
-        assert self.handle is not None
-        await self.handle.wait()
+        await (await self.launched_handle()).wait()
 
 
 class LoadJob(_Job):

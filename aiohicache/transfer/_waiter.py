@@ -19,7 +19,7 @@ from typing import Protocol
 
 import anyio.to_thread
 
-__all__ = ("EventWaiter", "Synchronizable")
+__all__ = ("EventWaiter", "Synchronizable", "call_soon_from_thread")
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +74,16 @@ class EventWaiter:
             try:
                 for i, event in enumerate(watch.events):
                     event.synchronize()
-                    _call_soon(watch.loop, watch.on_event, i)
+                    call_soon_from_thread(watch.loop, watch.on_event, i)
             except Exception as exc:  # a CUDA fault: reported through on_done, never lost
                 log.exception("waiting for a copy failed")
                 error = exc
-            _call_soon(watch.loop, watch.on_done, error)
+            call_soon_from_thread(watch.loop, watch.on_done, error)
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:
+def call_soon_from_thread(loop: asyncio.AbstractEventLoop, fn: Callable[..., object],
+                          *args: object) -> None:
+    """``loop.call_soon_threadsafe``, quiet if the loop is already closed."""
     # NOTE: the loop may already be closed if its owner abandoned it; nothing is left to tell.
     try:
         loop.call_soon_threadsafe(fn, *args)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import anyio.to_thread
@@ -17,6 +16,7 @@ import torch
 from ..errors import ClosedError
 from ..memory import DevicePool, HostPool, PageIds
 from ._copy import CopyPlan, as_words, copy_pages
+from ._waiter import call_soon_from_thread as _call_soon
 from .base import TransferHandle
 
 __all__ = ("CpuTransferEngine", "copy_layer", "word_views")
@@ -132,11 +132,3 @@ def copy_layer(device: WordViews, host: WordViews, plan: CopyPlan, layer: int, *
             copy_pages(hst, dev, plan)
         else:
             copy_pages(dev, hst, plan)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:
-    # NOTE: the loop may already be closed if the owner abandoned it; nothing is left to tell.
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:
-        log.debug("event loop closed before a copy completed")
