@@ -31,6 +31,13 @@ SPEC_MHA = KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bf16")
 SPEC_MLA = KVSpec.mla(num_layers=3, kv_lora_rank=16, rope_dim=4, dtype="fp16")
 
 
+async def until(predicate: Callable[[], bool]) -> None:
+    """Yield to the loop until `predicate()` holds (threads move it along; the test's
+    timeout bounds the wait)."""
+    while not predicate():  # noqa: ASYNC110 -- progress happens on threads: no event to await
+        await asyncio.sleep(0)
+
+
 def make_config(**overrides: Any) -> HiCacheConfig:
     """A small CPU cache config; keyword arguments override fields."""
     fields: dict[str, Any] = {"spec": SPEC_MHA, "page_size": 4, "device_pages": 16,

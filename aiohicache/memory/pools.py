@@ -52,6 +52,8 @@ class DevicePool(_PagePool):
                  device: str | torch.device = "cpu") -> None:
         super().__init__(spec, num_pages=num_pages, page_size=page_size, name="device pool")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device: {self.device} requested, but torch sees no CUDA device")
         shape = (spec.num_kv, spec.num_layers, num_pages, page_size, *spec.row_shape)
         self.data = torch.zeros(shape, dtype=spec.dtype, device=self.device)
 

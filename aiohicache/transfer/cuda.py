@@ -29,7 +29,7 @@ from ..memory import DevicePool, HostPool, PageIds
 from . import kernels
 from ._waiter import EventWaiter
 from .base import TransferHandle
-from .geometry import Geometry, coalesce, direct_copies, kernel_launches
+from .geometry import Geometry, coalesce, direct_copies, kernel_launches, layer_spans
 
 __all__ = ("CudaTransferEngine",)
 
@@ -140,10 +140,9 @@ class CudaTransferEngine:
                 producer = self.producer_stream or torch.cuda.current_stream(self.device)
                 stream.torch.wait_stream(producer)
             ids = self._upload(stream, src, dst) if self._kernels is not None else None
-            spans = [(i, i + 1) for i in range(layers)] if to_device else [(0, layers)]
             events = []
             runs = coalesce(src, dst) if ids is None else []
-            for span in spans:
+            for span in layer_spans(layers, to_device=to_device):
                 self._copy(stream, span, to_device, ids, runs, len(src))
                 event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
                 event.record(stream.torch)

@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..memory import DevicePool, HostPool, PageIds
 
 __all__ = ("MAX_UNITS", "VECTOR_WIDTHS", "Copy2D", "Geometry", "KernelLaunch", "Side",
-           "coalesce", "direct_copies", "kernel_launches")
+           "coalesce", "direct_copies", "kernel_launches", "layer_spans")
 
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)
 """Bytes per access of the kernel variants ``copy_pages_v16`` .. ``copy_pages_v1``."""
@@ -84,6 +84,14 @@ class Geometry:
         return next(w for w in VECTOR_WIDTHS if all(n % w == 0 for n in numbers))
 
 
+def layer_spans(num_layers: int, *, to_device: bool) -> list[tuple[int, int]]:
+    """The layer ranges a copy is issued in: one per layer for loads (each gets its own
+    completion event, so layer 0 is usable first), all at once for writes."""
+    if to_device:
+        return [(layer, layer + 1) for layer in range(num_layers)]
+    return [(0, num_layers)]
+
+
 @dataclass(frozen=True, slots=True)
 class KernelLaunch:
     """The arguments of one ``copy_pages_v{width}`` launch over pages ``[start, stop)``.
@@ -120,7 +128,9 @@ def kernel_launches(geometry: Geometry, num_pages: int, *, to_device: bool, widt
     begin, end = layers
     units_per_chunk = geometry.chunk_bytes // width
     per_page = geometry.num_kv * (end - begin) * units_per_chunk
-    step = max(1, (MAX_UNITS - 1) // per_page)
+    if per_page >= MAX_UNITS:
+        raise ConfigError(f"a page of {per_page} {width}-byte units is too large to copy")
+    step = (MAX_UNITS - 1) // per_page
     return [KernelLaunch(width, src, dst, lo, min(lo + step, num_pages), geometry.num_kv,
                          begin, end, units_per_chunk)
             for lo in range(0, num_pages, step)]

@@ -18,8 +18,8 @@ import numpy as np
 from ..errors import ConfigError
 from .geometry import VECTOR_WIDTHS, KernelLaunch
 
-__all__ = ("NVRTC_OPTIONS", "CopyKernels", "cupy", "kernel_names", "nvrtc_check", "source",
-           "sources")
+__all__ = ("NVRTC_OPTIONS", "CopyKernels", "cupy", "kernel_names", "nvrtc_check",
+           "nvrtc_compile", "source", "sources")
 
 NVRTC_OPTIONS = ("--std=c++17",)
 """What the engine compiles with; `nvrtc_check` uses the same, so CI checks what runs."""
@@ -54,14 +54,19 @@ def cupy() -> ModuleType:
 
 
 def nvrtc_check(name: str = PAGE_COPY, *, arch: str = "compute_90") -> bytes:
-    """Compile ``kernels/<name>`` to PTX with NVRTC and the engine's options; no GPU needed.
+    """Compile the installed ``kernels/<name>`` as the engine does; see `nvrtc_compile`."""
+    return nvrtc_compile(source(name), name, arch=arch)
+
+
+def nvrtc_compile(text: str, name: str, *, arch: str = "compute_90") -> bytes:
+    """Compile CUDA C `text` to PTX with NVRTC and the engine's options; no GPU needed.
 
     Raises:
         ConfigError: CuPy or NVRTC is missing, or compilation failed (with the NVRTC log).
     """
     nvrtc = cupy().cuda.nvrtc
     try:
-        program = nvrtc.createProgram(source(name), name, [], [])
+        program = nvrtc.createProgram(text, name, [], [])
     except Exception as exc:  # NVRTC library missing: cupy raises at first use
         raise ConfigError(f"NVRTC is not available: {exc}") from exc
     try:
@@ -69,7 +74,7 @@ def nvrtc_check(name: str = PAGE_COPY, *, arch: str = "compute_90") -> bytes:
         ptx = nvrtc.getPTX(program)
     except Exception as exc:
         log_text = nvrtc.getProgramLog(program)
-        raise ConfigError(f"kernels/{name} does not compile with NVRTC:\n{log_text}") from exc
+        raise ConfigError(f"{name} does not compile with NVRTC:\n{log_text}") from exc
     finally:
         nvrtc.destroyProgram(program)
     return ptx if isinstance(ptx, bytes) else ptx.encode()

@@ -15,7 +15,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from aiohicache.storage.base import HEADER_SIZE
 from aiohicache.storage.errors import StorageReadError, StorageWriteError
 from aiohicache.storage.file import STALE_TEMP_S
 from aiohicache.storage.file import _scan_dir as scan_dir
+from tests.conftest import until
 
 from .conftest import FMT, PAYLOAD, make_keys, make_page
 
@@ -45,12 +45,6 @@ def files_under(root: Path) -> list[Path]:
 
 def on_disk(backend: FileBackend, keys: list[str]) -> list[bool]:
     return [os.path.exists(backend._path(key)) for key in keys]
-
-
-async def until(predicate: Callable[[], bool]) -> None:
-    """Yield to the loop until `predicate()` holds (the I/O threads move it along)."""
-    while not predicate():  # noqa: ASYNC110 -- progress happens on threads: no event to await
-        await asyncio.sleep(0)
 
 
 async def read(backend: FileBackend, keys: list[str]) -> list[bytes | None]:
