@@ -119,13 +119,42 @@ def bench_redis_cmd(quick: bool) -> None:
 def bench_tp_cmd(ranks: str, steps: int, batch: int) -> None:
     """Consensus tick overhead per scheduler step, TP (gloo processes) vs one rank."""
     from .bench.tp import bench_tp, format_tp
-    try:
-        sizes = [int(x) for x in ranks.split(",") if x.strip()]
-    except ValueError as exc:
-        raise click.UsageError(f"--ranks: comma-separated ints, got {ranks!r}") from exc
-    if not sizes or min(sizes) < 2:
-        raise click.UsageError(f"--ranks: TP sizes of at least 2, got {ranks!r}")
+    sizes = _int_list("--ranks", ranks, lo=2, hi=64)
     click.echo(format_tp(bench_tp(sizes, steps=steps, batch=batch)))
+
+
+@bench.command("transfer")
+@click.option("--pages", default="1,16,64,256", show_default=True,
+              help="Page sizes (tokens), comma-separated.")
+@click.option("--ctas", default="1,2,4,8,16,32", show_default=True,
+              help="CTA budgets of the kernel path, comma-separated.")
+@click.option("--total-mb", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Bytes moved per copy.")
+@click.option("--repeat", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--layout", type=click.Choice(["page_first", "layer_first"]),
+              default="page_first", show_default=True, help="Host pool layout.")
+def bench_transfer_cmd(pages: str, ctas: str, total_mb: int, repeat: int, layout: str) -> None:
+    """GPU page copies: kernel and direct paths vs one contiguous pinned copy (needs CUDA)."""
+    from .bench.transfer import bench_transfer, format_transfer
+    page_sizes = _int_list("--pages", pages, lo=1, hi=256)
+    budgets = _int_list("--ctas", ctas, lo=1, hi=1024)
+    try:
+        report = bench_transfer(page_sizes=page_sizes, ctas=budgets, total_mb=total_mb,
+                                repeat=repeat, layout=layout,  # type: ignore[arg-type]
+                                echo=click.echo)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(format_transfer(report, budgets))
+
+
+def _int_list(option: str, text: str, *, lo: int, hi: int) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise click.UsageError(f"{option}: comma-separated ints, got {text!r}") from exc
+    if not values or not all(lo <= v <= hi for v in values):
+        raise click.UsageError(f"{option}: ints in {lo}..{hi}, got {text!r}")
+    return values
 
 
 @bench.command("tree")

@@ -59,7 +59,7 @@ def fill_kv(cache: HiCache, slots: torch.Tensor, tokens: list[int]) -> None:
     """Write KV that encodes (token, layer, kv) into `slots`, as a forward pass would."""
     pool = cache.device_pool
     spec = cache.config.spec
-    t = torch.tensor(tokens, dtype=torch.float64)
+    t = torch.tensor(tokens, dtype=torch.float64, device=pool.device)
     for layer in range(spec.num_layers):
         for kv in range(spec.num_kv):
             rows = pool.data[kv, layer].view(pool.num_slots, -1)

@@ -82,6 +82,29 @@ def test_help_lists_the_commands() -> None:
     assert "bench" in result.output and "demo" in result.output
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_bench_transfer_without_cuda_says_so() -> None:
+    result = CliRunner().invoke(cli, ["bench", "transfer", "--pages", "16", "--ctas", "4"])
+    assert result.exit_code == 1
+    assert "needs a CUDA device" in result.output
+
+
+@pytest.mark.parametrize("args", [["--pages", "0"], ["--pages", "x"], ["--ctas", "2000"]])
+def test_bench_transfer_rejects_bad_sweeps(args: list[str]) -> None:
+    result = CliRunner().invoke(cli, ["bench", "transfer", *args])
+    assert result.exit_code == 2
+    assert args[0] in result.output
+
+
+@pytest.mark.gpu
+def test_bench_transfer_reports_every_row_and_the_loop_lag() -> None:
+    result = CliRunner().invoke(cli, ["bench", "transfer", "--pages", "1,16", "--ctas", "1,4",
+                                      "--total-mb", "8", "--repeat", "3"])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("kernel/ceiling") == 4  # 2 page sizes x 2 directions
+    assert "event-loop lag" in result.output
+
+
 # ---------------------------------------------------------------------- LoopLagProbe
 
 

@@ -150,8 +150,10 @@ class HostPool(_PagePool):
 
     @property
     def pinned(self) -> bool:
-        """Whether the pool is page-locked (registered with CUDA) right now."""
-        return self._registration is not None and self._registration.active
+        """Whether the pool is page-locked right now (registered here, or pinned by torch)."""
+        if self._registration is not None and self._registration.active:
+            return True
+        return torch.cuda.is_available() and self.data.is_pinned()
 
     def close(self) -> None:
         """Unlock the pool's pages (idempotent). Copies that use them must have finished."""
