@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install replay test test-gpu lint check-kernels demo bench clean
+.PHONY: install replay test test-gpu gpu-wheels lint check-kernels demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,15 @@ test-gpu:
 	@if [ "$(GPU_PY)" = "$(BIN)/python" ]; then $(MAKE) --no-print-directory install; fi
 	@$(GPU_PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch sees no CUDA device')"
 	$(GPU_PY) -m pytest -m gpu -p no:cacheprovider
+
+# Wheels the lent GPU machine lacks (it has torch, cupy, numpy, aiofiles, anyio, pytest), for
+# its `carry` (.whl is git-ignored). Python 3.12 there; see docs/cuda.md.
+GPU_WHEELS := pytest-asyncio pytest-timeout hypothesis attrs sortedcontainers uvloop click \
+	tqdm xxhash redis
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check aiohicache tests

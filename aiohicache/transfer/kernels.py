@@ -10,6 +10,7 @@ current device and launches.
 from __future__ import annotations
 
 import importlib.resources
+from importlib.resources.abc import Traversable
 from types import ModuleType
 from typing import Any
 
@@ -26,15 +27,21 @@ NVRTC_OPTIONS = ("--std=c++17",)
 PAGE_COPY = "page_copy.cu"
 
 
+def _root() -> Traversable:
+    try:
+        return importlib.resources.files("aiohicache._kernels")
+    except ModuleNotFoundError:  # a bare checkout on PYTHONPATH, not installed: the tree
+        return importlib.resources.files("aiohicache").joinpath("..", "kernels")
+
+
 def source(name: str = PAGE_COPY) -> str:
     """The CUDA C text of ``kernels/<name>`` as installed."""
-    return (importlib.resources.files("aiohicache._kernels") / name).read_text(encoding="utf-8")
+    return _root().joinpath(name).read_text(encoding="utf-8")
 
 
 def sources() -> dict[str, str]:
     """Every installed kernel source, by file name."""
-    root = importlib.resources.files("aiohicache._kernels")
-    return {f.name: f.read_text(encoding="utf-8") for f in root.iterdir()
+    return {f.name: f.read_text(encoding="utf-8") for f in _root().iterdir()
             if f.name.endswith(".cu")}
 
 
