@@ -44,6 +44,17 @@ class MarkedEngine(CpuTransferEngine):
         super()._run(src, dst, handle, loop, to_device)
 
 
+def marked_cache(**fields: object) -> tuple[HiCache, list[MarkedEngine]]:
+    """A cache whose engine factory builds a `MarkedEngine` (listed once the cache opens)."""
+    engines: list[MarkedEngine] = []
+
+    def factory(device_pool: DevicePool, host_pool: HostPool) -> MarkedEngine:
+        engines.append(MarkedEngine(device_pool, host_pool))
+        return engines[-1]
+
+    return HiCache(make_config(**fields), engine=factory), engines
+
+
 class RecordingStream:
     """Stands in for a `torch.cuda.Stream`: records what it was told to wait for."""
 
@@ -68,13 +79,8 @@ async def test_an_engine_factory_is_called_with_the_caches_pools() -> None:
 
 
 async def test_layer_ready_on_a_stream_makes_the_stream_wait_instead_of_the_host() -> None:
-    engines: list[MarkedEngine] = []
-
-    def factory(device_pool: DevicePool, host_pool: HostPool) -> MarkedEngine:
-        engines.append(MarkedEngine(device_pool, host_pool))
-        return engines[-1]
-
-    async with HiCache(make_config(), engine=factory) as cache:
+    cache, engines = marked_cache()
+    async with cache:
         engine = engines[0]
         tokens = make_tokens(16)
         original = await prefill(cache, tokens)
@@ -93,6 +99,37 @@ async def test_layer_ready_on_a_stream_makes_the_stream_wait_instead_of_the_host
             await hit.ready()
             kv = read_kv(cache, hit.device_indices)
             assert torch.equal(kv.view(torch.uint8), original.view(torch.uint8))
+        await cache.drain()
+        cache.check_invariants()
+
+
+async def test_cancelling_layer_ready_on_a_stream_before_launch_leaves_the_load_to_run() -> None:
+    cache, engines = marked_cache(max_inflight_loads=1)
+    async with cache:
+        engine = engines[0]
+        seqs = [make_tokens(16, seed=s) for s in (1, 2, 3)]
+        kv = [await prefill(cache, tokens) for tokens in seqs]
+        await evict_all(cache)
+        engine.gate.clear()  # two loads in flight fill the worker; the third stays queued
+        try:
+            async with cache.fetch(seqs[0]), cache.fetch(seqs[1]), \
+                    cache.fetch(seqs[2]) as hit:
+                assert hit._jobs[0].handle is None, "the third load should wait for launch"
+                stream = RecordingStream()
+                waiting = asyncio.ensure_future(
+                    hit.layer_ready(0, stream=stream))  # type: ignore[arg-type]
+                await asyncio.sleep(0.01)
+                assert not waiting.done()
+                waiting.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await waiting
+                assert stream.waited == []
+                engine.gate.set()
+                await asyncio.wait_for(hit.ready(), 5)  # the load itself was not cancelled
+                assert torch.equal(read_kv(cache, hit.device_indices).view(torch.uint8),
+                                   kv[2].view(torch.uint8))
+        finally:
+            engine.gate.set()
         await cache.drain()
         cache.check_invariants()
 
