@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from aiohicache import ConfigError, KVSpec
+from aiohicache import ConfigError
 from aiohicache.memory import DevicePool, HostPool
 from aiohicache.memory.pinned import Registration
 from aiohicache.transfer import geometry, kernels
@@ -79,22 +79,14 @@ def test_576_and_656_byte_rows_take_16_byte_vectors() -> None:
         assert g.vector_width() == 16
 
 
-@pytest.mark.parametrize(("heads", "head_dim", "dtype", "page_size", "width"), [
-    (2, 16, "bf16", 1, 16), (1, 4, "fp8", 2, 8), (2, 1, "fp16", 1, 4), (2, 3, "fp8", 2, 4),
-    (2, 3, "fp8", 1, 2), (1, 3, "fp8", 1, 1), (1, 3, "fp8", 16, 16)])
+@pytest.mark.parametrize(("heads", "head_dim", "dtype", "page_size", "width"), tm.ODD_ROWS)
 def test_odd_rows_take_the_widest_vector_that_divides_every_address(
         heads: int, head_dim: int, dtype: str, page_size: int, width: int) -> None:
-    spec = KVSpec.mha(num_layers=2, num_kv_heads=heads, head_dim=head_dim, dtype=dtype)
-    dev = DevicePool(spec, num_pages=6, page_size=page_size)
-    host = HostPool(spec, num_pages=6, page_size=page_size, layout="page_first")
-    tm.random_fill(dev, 1)
-    tm.random_fill(host, 2)
-    g = Geometry.of(dev, host)
-    assert g.vector_width() == width
-    ref_dev = DevicePool(spec, num_pages=6, page_size=page_size)
-    ref_dev.data.copy_(dev.data)
-    src, dst = np.array([5, 0, 2]), np.array([1, 3, 4])
-    tm.reference_copy(ref_dev, host, src, dst, to_device=True)
+    dev, host = tm.odd_row_pools(heads, head_dim, dtype, page_size)
+    ref_dev, ref_host = tm.odd_row_pools(heads, head_dim, dtype, page_size)
+    assert Geometry.of(dev, host).vector_width() == width
+    src, dst = tm.ODD_PAIRS
+    tm.reference_copy(ref_dev, ref_host, src, dst, to_device=True)
     emulate(dev, host, src, dst, to_device=True, backend="kernel")
     assert tm.same_bytes(dev.data, ref_dev.data)
 

@@ -65,6 +65,23 @@ def cpu_pools(model: str, dtype: str, page_size: int,
     return dev, host
 
 
+ODD_ROWS = [  # (heads, head_dim, dtype, page_size, widest vector)
+    (2, 16, "bf16", 1, 16), (1, 4, "fp8", 2, 8), (2, 1, "fp16", 1, 4), (2, 3, "fp8", 2, 4),
+    (2, 3, "fp8", 1, 2), (1, 3, "fp8", 1, 1), (1, 3, "fp8", 16, 16)]
+ODD_PAIRS = (np.array([5, 0, 2]), np.array([1, 3, 4]))  # host -> device page ids
+
+
+def odd_row_pools(heads: int, head_dim: int, dtype: str,
+                  page_size: int) -> tuple[DevicePool, HostPool]:
+    """CPU pools of 6 pages whose rows are not multiples of 16 bytes (most of them)."""
+    s = KVSpec.mha(num_layers=2, num_kv_heads=heads, head_dim=head_dim, dtype=dtype)
+    dev = DevicePool(s, num_pages=6, page_size=page_size)
+    host = HostPool(s, num_pages=6, page_size=page_size, layout="page_first")
+    random_fill(dev, 1)
+    random_fill(host, 2)
+    return dev, host
+
+
 def reference_copy(dev: DevicePool, host: HostPool, src: np.ndarray, dst: np.ndarray, *,
                    to_device: bool) -> None:
     """The CPU engine's copy of every layer, in place (blocking)."""

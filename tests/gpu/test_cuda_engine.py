@@ -77,17 +77,12 @@ async def test_cuda_copies_are_bit_exact_against_the_cpu_engine(
                     assert tm.same_bytes(host.data, ref_host.data), where
 
 
-@pytest.mark.parametrize(("heads", "head_dim", "dtype", "page_size", "width"), [
-    (1, 4, "fp8", 2, 8), (2, 3, "fp8", 2, 4), (2, 3, "fp8", 1, 2), (1, 3, "fp8", 1, 1)])
+@pytest.mark.parametrize(("heads", "head_dim", "dtype", "page_size", "width"), tm.ODD_ROWS)
 async def test_odd_rows_copy_exactly_with_narrower_vectors(
         heads: int, head_dim: int, dtype: str, page_size: int, width: int) -> None:
-    spec = KVSpec.mha(num_layers=2, num_kv_heads=heads, head_dim=head_dim, dtype=dtype)
-    ref_dev = DevicePool(spec, num_pages=6, page_size=page_size)
-    ref_host = HostPool(spec, num_pages=6, page_size=page_size, layout="page_first")
-    tm.random_fill(ref_dev, 1)
-    tm.random_fill(ref_host, 2)
+    ref_dev, ref_host = tm.odd_row_pools(heads, head_dim, dtype, page_size)
     dev, host = cuda_twin(ref_dev, ref_host)
-    src, dst = np.array([5, 0, 2]), np.array([1, 3, 4])
+    src, dst = tm.ODD_PAIRS
     tm.reference_copy(ref_dev, ref_host, src, dst, to_device=True)
     async with engine_on(dev, host, "kernel") as engine:
         assert engine.width == width
