@@ -37,6 +37,13 @@ class TransferHandle:
         self._callbacks: list[Callable[[TransferHandle], None]] = []
         self._events: Sequence[object] | None = None  # set by engines that record CUDA events
 
+    @classmethod
+    def for_pages(cls, pool: DevicePool, num_pages: int) -> TransferHandle:
+        """The handle of a copy of `num_pages` whole pages of `pool`'s layout (all layers)."""
+        spec = pool.spec
+        return cls(num_layers=spec.num_layers,
+                   nbytes=num_pages * pool.page_size * spec.bytes_per_token)
+
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"<TransferHandle {self.nbytes} bytes, {self.num_layers} layers, {state}>"

@@ -69,10 +69,7 @@ class CpuTransferEngine:
                 to_device: bool) -> TransferHandle:
         if self._closed:
             raise ClosedError("transfer engine is closed")
-        spec = self.device_pool.spec
-        handle = TransferHandle(num_layers=spec.num_layers,
-                                nbytes=len(src) * self.device_pool.page_size
-                                * spec.bytes_per_token)
+        handle = TransferHandle.for_pages(self.device_pool, len(src))
         loop = asyncio.get_running_loop()
         if handle.nbytes <= self.inline_bytes and stream.pending == 0:
             self._copy(CopyPlan.build(src, dst), to_device)  # idle stream: order is kept

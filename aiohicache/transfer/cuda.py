@@ -113,10 +113,7 @@ class CudaTransferEngine:
                 to_device: bool) -> TransferHandle:
         if self._closed:
             raise ClosedError("transfer engine is closed")
-        num_layers = self.geometry.num_layers
-        handle = TransferHandle(num_layers=num_layers,
-                                nbytes=len(src) * self.geometry.chunk_bytes
-                                * self.geometry.num_kv * num_layers)
+        handle = TransferHandle.for_pages(self.device_pool, len(src))
         src = np.ascontiguousarray(src, dtype=np.int64)
         dst = np.ascontiguousarray(dst, dtype=np.int64)
         try:
@@ -125,7 +122,7 @@ class CudaTransferEngine:
             log.exception("could not enqueue a page copy")
             asyncio.get_running_loop().call_soon(handle._finish, exc)
             return handle
-        handle._events = events if to_device else [events[-1]] * num_layers
+        handle._events = events if to_device else [events[-1]] * handle.num_layers
         stream.waiter.watch(events, on_event=handle._layer_done if to_device else _ignore,
                             on_done=handle._finish, keepalive=keepalive)
         return handle
