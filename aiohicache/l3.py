@@ -11,7 +11,8 @@
   prefetches together), reads them (``get_into``) and inserts the leading pages that arrived
   verified as host-only nodes; they are then loaded back like any L2 hit. Concurrent fetches
   of the same pages share one prefetch; a prefix L3 did not have is not asked for again for
-  `storage_miss_ttl` seconds. The fetch waits per `prefetch_policy`; a prefetch it stops
+  `storage_miss_ttl` seconds (the negative cache: at most `storage_miss_max_entries` prefixes,
+  the oldest forgotten first). The fetch waits per `prefetch_policy`; a prefetch it stops
   waiting for still completes and serves later requests.
 - **Backup (L2 -> L3).** When a write-through settles, nodes with enough hits are queued for
   backup, never on a request's path; backups run concurrently under
@@ -32,14 +33,17 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import anyio
+import anyio.to_thread
 import numpy as np
 import torch
 from anyio.abc import TaskGroup
 
+from ._concurrency import finish_then_cancel
 from .config import HiCacheConfig
 from .errors import HiCacheError
 from .memory import HostPool, PageIds
@@ -109,6 +113,58 @@ class _Backup:
 TP_SLOTS = 8
 """Prefetches (per phase) and backups whose results one consensus tick can agree on."""
 
+"""Prefixes the negative cache remembers at most; past it, the oldest are forgotten (asked
+of L3 again). About 200 bytes an entry."""
+
+
+class _MissCache:
+    """The negative cache: the first page key of each prefix L3 lacked, with when it missed.
+
+    An OrderedDict, oldest first. `add` moves its key to the end, then drops from the front
+    the entries that are no longer live and the oldest past `max_entries`: O(1) amortised,
+    never more than `max_entries`. With one TTL and a clock that does not go back, oldest is
+    first to expire, so no expired entry outlives the next `add`.
+
+    An entry is live for `ttl` seconds from its miss; one from the future (TP's agreed wall
+    clock stepped back) counts as expired. Lookups never mutate: it changes only in steps
+    every TP rank runs in the same order with the agreed clock (`_on_count`, `_on_stored`),
+    so the ranks' copies stay identical.
+    """
+
+    __slots__ = ("_since", "max_entries", "ttl")
+
+    def __init__(self, *, ttl: float, max_entries: int) -> None:
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self._since: OrderedDict[bytes, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._since)
+
+    def hit(self, key: bytes, now: float) -> bool:
+        """Whether `key` missed within the last `ttl` seconds."""
+        since = self._since.get(key)
+        return since is not None and self._live(since, now)
+
+    def add(self, key: bytes, now: float) -> None:
+        """Record that L3 lacked `key` at `now`, then prune."""
+        self._since.pop(key, None)
+        if self.ttl > 0:
+            self._since[key] = now
+        self._prune(now)
+
+    def discard(self, key: bytes) -> None:
+        self._since.pop(key, None)
+
+    def _live(self, since: float, now: float) -> bool:
+        return 0 <= now - since < self.ttl
+
+    def _prune(self, now: float) -> None:
+        since = self._since
+        while since and (len(since) > self.max_entries
+                         or not self._live(next(iter(since.values())), now)):
+            since.popitem(last=False)
+
 
 def shard(config: HiCacheConfig) -> tuple[int, int]:
     """The (rank, size) naming this rank's L3 objects: MLA KV is the same on every rank, so
@@ -148,7 +204,8 @@ class StorageTier:
         self.counters = StorageCounters()
         self.reserved_host: dict[int, PageIds] = {}  # prefetch id -> host pages not in tree
         self._inflight: dict[bytes, PrefetchJob] = {}
-        self._misses: dict[bytes, float] = {}
+        self._misses = _MissCache(ttl=config.storage_miss_ttl,
+                                  max_entries=config.storage_miss_max_entries)
         self._backing_up: list[_Backup] = []
         self._backup_bytes = 0
         self._backup_room = anyio.Event()
@@ -202,7 +259,7 @@ class StorageTier:
         first = keys[start]
         if (job := self._inflight.get(first)) is not None:
             return job
-        if self._misses.get(first, -math.inf) > self._now():
+        if self._misses.hit(first, self._now()):
             self.counters.negative_hits += 1
             if not self.tp:
                 self.breaker.record_success()  # nothing was asked: release a half-open probe
@@ -285,7 +342,7 @@ class StorageTier:
         """Sync: L3 has `count` pages; reserve host pages for them. False: nothing to read."""
         if count * self.config.page_size < max(self.config.prefetch_threshold, 1):
             self.counters.prefetch_misses += 1
-            self._misses[job.keys[job.start_page]] = self._now() + self.config.storage_miss_ttl
+            self._misses.add(job.keys[job.start_page], self._now())
             return False
         budget = int(self.host_pool.num_pages * self.config.prefetch_host_fraction)
         held = sum(len(p) for p in self.reserved_host.values())
@@ -299,11 +356,17 @@ class StorageTier:
         return True
 
     async def _read(self, job: PrefetchJob, pages: PageIds) -> int:
+        """Read the job's pages into the reserved host `pages`; how many leading ones arrived.
+
+        Cancellation: the pages are left reserved (the caller frees them, never inserted),
+        and only once nothing writes them any more: the backend writes no buffer after its
+        call ends, and a scatter in flight runs to its end first.
+        """
         keys = [k.hex() for k in job.keys[job.start_page:job.start_page + len(pages)]]
-        with _PageBuffers(self.host_pool, pages, fill=False) as buffers:
-            ok = await self.backend.get_into(keys, buffers.views)
-            arrived = next((i for i, good in enumerate(ok) if not good), len(ok))
-            buffers.flush(arrived)
+        buffers = _PageBuffers(self.host_pool, pages)
+        ok = await self.backend.get_into(keys, buffers.views)
+        arrived = next((i for i, good in enumerate(ok) if not good), len(ok))
+        await buffers.scatter(arrived)
         self.breaker.record_success()
         return arrived
 
@@ -384,14 +447,19 @@ class StorageTier:
 
     async def _store(self, backup: _Backup) -> list[bool]:
         """Write the backup's pages (TP with MLA: only those this rank writes); per-page
-        results, True for a page another rank writes."""
+        results, True for a page another rank writes.
+
+        Cancellation: returns (and the caller unpins the pages) only once nothing reads them
+        any more: a gather in flight runs to its end first, and so do the backend's reads.
+        """
         pages, keys = backup.pages, backup.keys
         mine = [self._writes(k) for k in keys]
         ok = [True] * len(keys)
         pick = [i for i, m in enumerate(mine) if m]
         if pick:
-            with _PageBuffers(self.host_pool, pages[pick], fill=True) as buffers:
-                done = await self.backend.set_from([keys[i].hex() for i in pick], buffers.views)
+            buffers = _PageBuffers(self.host_pool, pages[pick])
+            await buffers.gather()
+            done = await self.backend.set_from([keys[i].hex() for i in pick], buffers.views)
             for i, good in zip(pick, done, strict=True):
                 ok[i] = bool(good)
         self.breaker.record_success()
@@ -411,7 +479,7 @@ class StorageTier:
                 node.stored = [bool(a) or key in done for a, key in zip(
                     node.stored or [False] * node.num_pages, node.hashes, strict=True)]
         for key in done:  # stored now: a negative-cache entry for it would hide a real hit
-            self._misses.pop(key, None)
+            self._misses.discard(key)
         self.counters.backed_up_pages += sum(ok)
         self.counters.backup_failed_pages += len(ok) - sum(ok)
         self._backing_up.remove(backup)
@@ -502,39 +570,59 @@ class _PageBuffers:
     """Byte views of host pages for a backend; a staging copy when pages aren't contiguous.
 
     page_first pages are contiguous, so backends read and write the pool directly. For
-    layer_first a page is spread over layers: it is gathered into (`fill`) or scattered from
-    (`flush`) a staging buffer.
+    layer_first a page is spread over layers: it is gathered into (`gather`) or scattered
+    from (`scatter`) a staging buffer. NOTE: on a worker thread: a batch is many pages (up
+    to `backup_max_inflight_bytes`), and copying it on the loop would stall every request.
     """
 
-    def __init__(self, pool: HostPool, pages: PageIds, *, fill: bool) -> None:
+    def __init__(self, pool: HostPool, pages: PageIds) -> None:
         self.pool, self.pages = pool, pages
         self.direct = pool.layout == "page_first"
         if self.direct:
             raw = [pool.data[int(p)].view(torch.uint8).reshape(-1) for p in pages]
-        else:
+        else:  # torch.empty only reserves memory: cheap on the loop
             self.staging = torch.empty((len(pages), pool.spec.num_kv, pool.spec.num_layers,
                                         pool.page_size, *pool.spec.row_shape),
                                        dtype=pool.spec.dtype)
-            if fill:
-                self.staging.copy_(pool.data[:, :, torch.from_numpy(pages)].permute(
-                    2, 0, 1, 3, *range(4, pool.data.dim())))
             raw = [self.staging[i].view(torch.uint8).reshape(-1) for i in range(len(pages))]
         self.views = [t.numpy().data for t in raw]
 
-    def flush(self, count: int) -> None:
-        """Move the first `count` staged pages into the pool (layer_first only)."""
-        if self.direct or count == 0:
-            return
-        idx = torch.from_numpy(self.pages[:count])
-        self.pool.data[:, :, idx] = self.staging[:count].permute(
-            1, 2, 0, 3, *range(4, self.staging.dim()))
+    async def gather(self) -> None:
+        """Copy the pages into the staging buffer (layer_first only).
 
-    def __enter__(self) -> _PageBuffers:
-        return self
+        Cancellation: the copy runs to its end, then the cancellation propagates (the
+        caller's pins outlive every read of the pages).
+        """
+        if not self.direct:
+            await _on_thread(_gather, self.pool, self.pages, self.staging)
 
-    def __exit__(self, *exc: object) -> None:
-        self.views = []
+    async def scatter(self, count: int) -> None:
+        """Move the first `count` staged pages into the pool (layer_first only).
 
+        Cancellation: the copy runs to its end, then the cancellation propagates (the
+        caller frees the pages only after every write to them).
+        """
+        if not self.direct and count:
+            await _on_thread(_scatter, self.pool, self.pages[:count], self.staging[:count])
+
+
+async def _on_thread(fn: Callable[[HostPool, PageIds, torch.Tensor], None], pool: HostPool,
+                     pages: PageIds, staging: torch.Tensor) -> None:
+    """`fn(pool, pages, staging)` on a worker thread, run to its end even if the caller is
+    cancelled meanwhile (torch copies release the GIL: the loop keeps running)."""
+    await finish_then_cancel(anyio.to_thread.run_sync(fn, pool, pages, staging))
+
+
+def _gather(pool: HostPool, pages: PageIds, staging: torch.Tensor) -> None:
+    """Copy layer_first host `pages` into `staging`, one page after another (any thread)."""
+    staging.copy_(pool.data[:, :, torch.from_numpy(pages)].permute(
+        2, 0, 1, 3, *range(4, pool.data.dim())))
+
+
+def _scatter(pool: HostPool, pages: PageIds, staging: torch.Tensor) -> None:
+    """Copy the staged pages into layer_first host `pages` (any thread)."""
+    pool.data[:, :, torch.from_numpy(pages)] = staging.permute(
+        1, 2, 0, 3, *range(4, staging.dim()))
 
 
 def _leading(agreed: list[int]) -> Iterator[int]:

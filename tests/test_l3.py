@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import sys
 import textwrap
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import pytest
 import torch
 
-from aiohicache import HiCache
+from aiohicache import HiCache, l3
 from aiohicache.l3 import page_format
 from aiohicache.storage.faults import FaultyBackend
+from aiohicache.storage.file import FileBackend
 from aiohicache.storage.memory import MemoryBackend
-from tests.conftest import make_config, make_tokens, prefill, read_kv
+from tests.conftest import make_config, make_tokens, prefill, read_kv, until
 from tests.storage.redis_server import redis_server, redis_url  # noqa: F401  (fixtures)
 
 L3 = {"prefetch_policy": "wait_complete", "prefetch_threshold": 8, "device_pages": 16,
@@ -108,6 +114,109 @@ async def test_a_prefix_l3_lacks_is_not_asked_again_within_the_ttl() -> None:
         assert st is not None and st["prefetch_misses"] == 1 and st["negative_hits"] == 1
 
 
+async def test_the_negative_cache_is_bounded_and_forgets_expired_prefixes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = make_config(storage="memory://", storage_miss_ttl=5.0, storage_miss_max_entries=8,
+                      **L3)
+    async with HiCache(cfg) as cache:
+        tier, clock = cache.storage, [100.0]
+        assert tier is not None
+        monkeypatch.setattr(tier, "_now", lambda: clock[0])
+
+        async def miss(seed: int) -> tuple[object, object]:
+            async with cache.fetch(make_tokens(16, seed=seed)) as hit:
+                assert hit.num_cached_tokens == 0
+            st = cache.stats().storage
+            assert st is not None
+            return st["prefetch_misses"], st["negative_hits"]
+
+        for seed in range(20):  # 20 distinct prefixes L3 lacks
+            assert await miss(seed) == (seed + 1, 0)
+        assert len(tier._misses) == 8
+        assert await miss(19) == (20, 1)  # among the newest 8: not asked again
+        assert await miss(0) == (21, 1)   # the oldest were forgotten: asked again
+        clock[0] += 5.0  # every entry expires ...
+        assert await miss(19) == (22, 1)  # ... so L3 is asked again
+        assert len(tier._misses) == 1  # and the next miss pruned the expired ones
+
+
+def spy_on_copies(monkeypatch: pytest.MonkeyPatch,
+                  block: threading.Event | None = None) -> dict[str, list[int]]:
+    """Record the thread of every layer_first gather and scatter (names -> thread ids); with
+    `block`, each copy first waits for it to be set."""
+    seen: dict[str, list[int]] = {"gather": [], "scatter": []}
+
+    def spy(copy: Callable[..., None], calls: list[int]) -> Callable[..., None]:
+        def run(*args: object) -> None:
+            calls.append(threading.get_ident())
+            if block is not None:
+                assert block.wait(5), "the test never released the copy"
+            copy(*args)
+            calls.append(0)  # done
+        return run
+
+    for name, calls in seen.items():
+        monkeypatch.setattr(l3, f"_{name}", spy(getattr(l3, f"_{name}"), calls))
+    return seen
+
+
+async def test_layer_first_pages_are_gathered_and_scattered_off_the_event_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = spy_on_copies(monkeypatch)
+    cfg0 = make_config(host_layout="layer_first", **L3)
+    backend = MemoryBackend(page_format(cfg0))
+    cfg = make_config(storage=backend, host_layout="layer_first", **L3)
+    async with HiCache(cfg) as first:
+        original = await fill_l3(first, make_tokens(24))
+    async with HiCache(cfg) as second:
+        kv, from_l3 = await fetch_kv(second, make_tokens(24))
+        assert from_l3 == 24 and torch.equal(kv, original)
+    await backend.aclose()
+    loop_thread = threading.get_ident()
+    for name, calls in seen.items():
+        threads = set(calls) - {0}
+        assert threads and loop_thread not in threads, f"{name} ran on the loop's thread"
+
+
+@pytest.mark.parametrize("copy", ["gather", "scatter"])
+async def test_closing_mid_copy_waits_for_the_copy_before_releasing_its_pages(
+        monkeypatch: pytest.MonkeyPatch, copy: str) -> None:
+    backend = MemoryBackend(page_format(make_config(host_layout="layer_first", **L3)))
+    cfg = make_config(storage=backend, host_layout="layer_first", **L3)
+    if copy == "scatter":  # L3 has the pages; the fetch below starts a prefetch, no wait
+        async with HiCache(cfg) as first:
+            await fill_l3(first, make_tokens(24))
+        cfg = make_config(storage=backend, host_layout="layer_first",
+                          **{**L3, "prefetch_policy": "best_effort"})
+    release = threading.Event()
+    seen = spy_on_copies(monkeypatch, release)
+    cache = HiCache(cfg)
+    await cache.__aenter__()
+    tier = cache.storage
+    assert tier is not None
+    try:
+        await prefill(cache, make_tokens(24))  # queues a backup (gather), prefetch (scatter)
+        await until(lambda: bool(seen[copy]))
+        closing = asyncio.ensure_future(cache.aclose())  # cancels the backup or prefetch
+        await asyncio.sleep(0.05)
+        assert not closing.done(), "closed while a copy still used the host pages"
+        held = tier._backing_up if copy == "gather" else tier.reserved_host
+        assert held, "pages unpinned or freed while a copy still used them"
+    finally:
+        release.set()
+    await closing
+    assert seen[copy][-1] == 0  # the copy ran to its end
+    assert not tier._backing_up and not tier.reserved_host
+    await backend.aclose()
+
+
+def test_a_negative_entry_lives_ttl_seconds_and_one_from_the_future_is_expired() -> None:
+    misses = l3._MissCache(ttl=5.0, max_entries=4)
+    misses.add(b"k", 100.0)
+    assert misses.hit(b"k", 104.9) and not misses.hit(b"k", 105.0)
+    assert not misses.hit(b"k", 99.0)  # TP's agreed wall clock stepped back: not trusted
+
+
 def flip_last_byte_of_one_page(root: Path) -> None:
     victim = sorted(p for p in root.rglob("*") if p.is_file())[0]
     data = bytearray(victim.read_bytes())
@@ -127,6 +236,53 @@ async def test_a_corrupt_page_is_a_miss_and_never_served(tmp_path: Path) -> None
         assert torch.equal(kv, original[:, :from_l3])
         await second.drain()
         second.check_invariants()
+
+
+def swap_files(a: list[str], b: list[str]) -> None:
+    """Swap the files at `a` with those at `b`, pairwise, as a careless operator might."""
+    for path_a, path_b in zip(a, b, strict=True):
+        spare = f"{path_a}.swap"
+        os.replace(path_a, spare)
+        os.replace(path_b, path_a)
+        os.replace(spare, path_b)
+
+
+async def test_pages_swapped_on_disk_are_a_miss_never_the_other_prefixs_kv(
+        tmp_path: Path) -> None:
+    cfg = make_config(storage=f"file://{tmp_path}", **L3)
+    a, b = make_tokens(16, seed=1), make_tokens(16, seed=2)
+    async with HiCache(cfg) as first:
+        kv_a, kv_b = await fill_l3(first, a), await fill_l3(first, b)
+        tier = first.storage
+        assert tier is not None and isinstance(tier.backend, FileBackend)
+        paths_a, paths_b = ([tier.backend._path(key.hex()) for key in
+                             tier.keys(np.asarray(t), [])] for t in (a, b))
+    await anyio.to_thread.run_sync(swap_files, paths_a, paths_b)
+    async with HiCache(cfg) as second:
+        for tokens, kv in ((a, kv_a), (b, kv_b)):
+            got, from_l3 = await fetch_kv(second, tokens)
+            assert from_l3 == 0 and got.shape[1] == 0, "served the other prefix's KV"
+            assert torch.equal(await prefill(second, tokens), kv)  # recomputed
+        st = second.stats().storage
+        assert st is not None and st["corrupt"] == 8  # every page read was the other's
+        await second.drain()
+        second.check_invariants()
+
+
+async def test_backups_go_on_after_the_store_directory_is_removed(tmp_path: Path) -> None:
+    root = tmp_path / "l3"
+    # fanout 0: every page in the root, a directory the store has made before
+    async with FileBackend(root, page_format(make_config(**L3)), fanout=0) as backend:
+        cfg = make_config(storage=backend, **L3)
+        async with HiCache(cfg) as first:
+            await fill_l3(first, make_tokens(16, seed=1))
+            await anyio.to_thread.run_sync(shutil.rmtree, root)
+            original = await fill_l3(first, make_tokens(16, seed=2))
+            st = first.stats().storage
+            assert st is not None and (st["backed_up_pages"], st["errors"]) == (8, 0)
+        async with HiCache(cfg) as second:
+            kv, from_l3 = await fetch_kv(second, make_tokens(16, seed=2))
+            assert from_l3 == 16 and torch.equal(kv, original)
 
 
 async def test_a_failing_backend_trips_the_breaker_and_l1_l2_keep_serving() -> None:

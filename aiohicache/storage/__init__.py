@@ -2,7 +2,7 @@
 
 from .base import BackendStats, PageFormat, StorageBackend, decode_page, encode_header
 from .errors import StorageError, StorageReadError, StorageWriteError
-from .factory import backend_from_url
+from .factory import backend_from_url, check_url
 from .faults import Breaker, BreakerState, FaultyBackend
 from .file import FileBackend
 from .keys import chain_keys, namespace_root
@@ -10,5 +10,5 @@ from .memory import MemoryBackend
 
 __all__ = ("BackendStats", "Breaker", "BreakerState", "FaultyBackend", "FileBackend",
            "MemoryBackend", "PageFormat", "StorageBackend", "StorageError", "StorageReadError",
-           "StorageWriteError", "backend_from_url", "chain_keys", "decode_page",
+           "StorageWriteError", "backend_from_url", "chain_keys", "check_url", "decode_page",
            "encode_header", "namespace_root")

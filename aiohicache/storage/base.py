@@ -1,22 +1,26 @@
 """The `StorageBackend` protocol (L3) and the page format every backend stores.
 
 A backend stores opaque, self-describing page objects under hex keys. What makes an object
-*correct* is checked here, once, for every backend: `encode_page` wraps a page's payload in a
-header naming its namespace, KV spec and page size plus a checksum of the payload, and
+*correct* is checked here, once, for every backend: `encode_header` heads a page's payload
+with its namespace, KV spec, page size and key, plus a checksum of the payload, and
 `decode_page` returns the payload only if all of them match what the reader expects.
 Anything else is a miss (correct-or-miss: never wrong KV). Nothing is ever unpickled.
+
+NOTE: the key is bound into the object because storage does not bind it: a file copied or
+renamed over another, a Redis ``RENAME``/``COPY``, would otherwise serve one prefix's KV
+for another's tokens. An object read under any key but its own is rejected (a corrupt miss).
 
 On-disk / on-wire layout of one page object (little-endian)::
 
     offset  size  field
     0       4     magic            b"AHKV"
-    4       2     format version   1
+    4       2     format version   2 (1: no key id; such objects are now rejected)
     6       2     header length    (64)
     8       16    namespace id     blake2b-128 of the namespace identity (see keys.py)
     24      16    spec id          blake2b-128 of KVSpec.fingerprint(), page size and layout
     40      8     payload length   bytes
-    48      8     checksum         xxh3-64 of the payload
-    56      8     reserved         0
+    48      8     checksum         xxh3-64 of the payload, seeded with the key id
+    56      8     key id           blake2b-64 of the page key (its ASCII hex)
     64      ...   payload          the page's KV bytes, page_first order
 """
 
@@ -40,9 +44,9 @@ __all__ = (
 )
 
 MAGIC = b"AHKV"
-VERSION = 1
+VERSION = 2
 HEADER_SIZE = 64
-_HEADER = struct.Struct("<4sHH16s16sQQQ")
+_HEADER = struct.Struct("<4sHH16s16sQQ8s")
 assert _HEADER.size == HEADER_SIZE
 
 
@@ -68,28 +72,43 @@ def _digest16(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-def encode_header(fmt: PageFormat, payload: memoryview | bytes) -> bytes:
-    """The 64-byte header for `payload` (store header + payload as one object)."""
+def _key_id(key: str) -> bytes:
+    return hashlib.blake2b(key.encode("ascii"), digest_size=8).digest()
+
+
+def _checksum(payload: memoryview, key_id: bytes) -> int:
+    # Seeded with the key id: the payload's checksum, too, holds only under its own key.
+    return xxhash.xxh3_64_intdigest(payload, seed=int.from_bytes(key_id, "little"))
+
+
+def encode_header(fmt: PageFormat, key: str, payload: memoryview | bytes) -> bytes:
+    """The 64-byte header for `payload` stored under `key` (store header + payload as one
+    object, under that key only)."""
     view = memoryview(payload).cast("B")
     if len(view) != fmt.payload_bytes:
         raise ValueError(f"payload is {len(view)} bytes, the format says {fmt.payload_bytes}")
+    key_id = _key_id(key)
     return _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, fmt.namespace_id, fmt.spec_id,
-                        len(view), xxhash.xxh3_64_intdigest(view), 0)
+                        len(view), _checksum(view, key_id), key_id)
 
 
-def decode_page(fmt: PageFormat, blob: bytes | memoryview | None) -> memoryview | None:
-    """The payload of `blob` if its header and checksum match `fmt`, else None (a miss)."""
+def decode_page(fmt: PageFormat, key: str,
+                blob: bytes | memoryview | None) -> memoryview | None:
+    """The payload of `blob`, read under `key`, if its header and checksum match `fmt` and
+    `key`, else None (a miss: absent, damaged, of another format, or another key's object)."""
     if blob is None:
         return None
     view = memoryview(blob).cast("B")
     if len(view) != HEADER_SIZE + fmt.payload_bytes:
         return None
-    magic, version, hlen, ns, spec, length, checksum, _ = _HEADER.unpack_from(view)
-    if (magic, version, hlen, ns, spec, length) != (
-            MAGIC, VERSION, HEADER_SIZE, fmt.namespace_id, fmt.spec_id, fmt.payload_bytes):
+    magic, version, hlen, ns, spec, length, checksum, key_id = _HEADER.unpack_from(view)
+    expected_id = _key_id(key)
+    if (magic, version, hlen, ns, spec, length, key_id) != (
+            MAGIC, VERSION, HEADER_SIZE, fmt.namespace_id, fmt.spec_id, fmt.payload_bytes,
+            expected_id):
         return None
     payload = view[HEADER_SIZE:]
-    if xxhash.xxh3_64_intdigest(payload) != checksum:
+    if _checksum(payload, expected_id) != checksum:
         return None
     return payload
 
@@ -107,7 +126,8 @@ class BackendStats:
     misses: int = 0
     """Keys asked for that were absent."""
     corrupt: int = 0
-    """Objects found but rejected by `decode_page` (bad header, size or checksum)."""
+    """Objects found but rejected by `decode_page` (bad header, size or checksum, or the
+    object of another key)."""
     errors: int = 0
     """Operations that raised (I/O or connection errors)."""
     evicted_pages: int = 0
@@ -120,8 +140,10 @@ class StorageBackend(Protocol):
 
     Keys are lowercase hex strings (page hashes, see `keys.py`). Buffers are writable
     (`get_into`) or readable (`set_from`) byte views of exactly `fmt.payload_bytes` each:
-    host pages in page_first layout, or staging buffers. Backends verify every object they
-    read with `decode_page`; a failed check is a miss and counts in `stats().corrupt`.
+    host pages in page_first layout, or staging buffers. Backends write each object with
+    `encode_header` for its key and verify every object they read with `decode_page` under
+    the key it was read by; a failed check (an object moved or copied from another key
+    included) is a miss and counts in `stats().corrupt`.
     Batches may partly succeed: results are per key.
 
     Cancellation: a cancelled call leaves every object either fully written or absent (no

@@ -135,7 +135,7 @@ class FaultyBackend:
             self._per_key, plan, lambda i: self.inner.get_into([keys[i]], [scratch[i]])))
         for i, flip in enumerate(plan.corrupt):
             if hits[i] and flip is not None:
-                hits[i] = self._survives_transit(scratch[i], flip)
+                hits[i] = self._survives_transit(keys[i], scratch[i], flip)
         for view, page, hit in zip(views, scratch, hits, strict=True):
             if hit:
                 view[:] = page
@@ -231,14 +231,14 @@ class FaultyBackend:
             raise failed[0]
         return results
 
-    def _survives_transit(self, page: memoryview, flip: int) -> bool:
-        """Whether `page`, framed as an object with the byte at `flip` flipped, still
+    def _survives_transit(self, key: str, page: memoryview, flip: int) -> bool:
+        """Whether `page`, framed as `key`'s object with the byte at `flip` flipped, still
         decodes (it must not: the checksum catches it)."""
-        blob = bytearray(encode_header(self.fmt, page))
+        blob = bytearray(encode_header(self.fmt, key, page))
         blob += page
         blob[flip] ^= 0xFF
         self._injected["corrupt"] += 1
-        return decode_page(self.fmt, memoryview(blob)) is not None
+        return decode_page(self.fmt, key, memoryview(blob)) is not None
 
 
 def _check_rate(name: str, rate: float) -> None:

@@ -4,7 +4,8 @@ Files live at ``root/ab/cd/abcd...`` (`fanout` levels of two hex characters). A 
 ``<key>.<random>.tmp`` in the same directory and is renamed over the key (``os.replace``), so
 a reader sees a whole object or none; temp names never match a key, so they are never served.
 The directory is the truth: an in-memory index of object sizes, least recently used first,
-enforces the byte budget and is rebuilt from the directory when an instance starts.
+enforces the byte budget and is rebuilt from the directory when an instance starts. No
+directory is assumed to exist: a write re-makes what was removed (see `_Store`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Final, Self, TypeVar
+from typing import BinaryIO, Final, Self, TypeVar
 
 import numpy as np
 
@@ -91,8 +92,6 @@ class FileBackend:
         self._runner = BatchRunner(max_concurrency)
         self._executor: ThreadPoolExecutor | None = None
         self._staging: list[bytearray] = []
-        self._dirs: set[str] = set()
-        """Fan-out directories known to exist (added to by the I/O threads)."""
         self._stats = BackendStats()
         self._start_lock = asyncio.Lock()
         self._started = False
@@ -252,8 +251,9 @@ class FileBackend:
         # most `max_concurrency` exist, as only that many runs are in flight.
         staging = self._staging.pop() if self._staging else bytearray(object_size(self.fmt) + 1)
         try:
-            outcomes = await self._in_thread(_load_run, [self._path(keys[i]) for i in run],
-                                             self.fmt, staging, [views[i] for i in run])
+            outcomes = await self._in_thread(_load_run, [keys[i] for i in run],
+                                             [self._path(keys[i]) for i in run], self.fmt,
+                                             staging, [views[i] for i in run])
         finally:
             self._staging.append(staging)
         for i, outcome in zip(run, outcomes, strict=True):
@@ -291,8 +291,8 @@ class FileBackend:
                 planned.append(i)
                 victims += evicted
         self._stats.evicted_pages += len(victims)
-        jobs = [_Store(path=self._path(keys[i]), fmt=self.fmt, payload=views[i],
-                       fsync=self.fsync, made_dirs=self._dirs) for i in planned]
+        jobs = [_Store(key=keys[i], path=self._path(keys[i]), fmt=self.fmt,
+                       payload=views[i], fsync=self.fsync) for i in planned]
         try:
             errors = await self._in_thread(_store_run, [self._path(v) for v in victims], jobs)
         finally:
@@ -367,24 +367,25 @@ class FileBackend:
 
 @dataclass(slots=True, kw_only=True)
 class _Store:
-    """Write one object atomically: temp file in the target directory, then `os.replace`."""
+    """Write `key`'s object atomically: temp file in the target directory, then `os.replace`.
 
+    NOTE: no directory is assumed to exist, not even one this backend made: the store may
+    be removed while it runs (an operator's ``rm -rf``, a shared directory cleaned by
+    another host). The temp file is opened first, and only if its directory is missing are
+    the directories (re)made, so an existing directory costs no extra system call.
+    """
+
+    key: str
     path: str
     fmt: PageFormat
     payload: memoryview
     fsync: bool
-    made_dirs: set[str]
-    """Directories known to exist, shared by the backend's threads (set.add is atomic)."""
 
     def run(self) -> None:
-        header = encode_header(self.fmt, self.payload)
-        directory = os.path.dirname(self.path)
-        if directory not in self.made_dirs:
-            os.makedirs(directory, exist_ok=True)
-            self.made_dirs.add(directory)
+        header = encode_header(self.fmt, self.key, self.payload)
         tmp = f"{self.path}.{secrets.token_hex(6)}.tmp"
         try:
-            with open(tmp, "xb") as f:
+            with _create(tmp) as f:
                 f.write(header)
                 f.write(self.payload)
                 if self.fsync:
@@ -396,7 +397,16 @@ class _Store:
                 os.unlink(tmp)
             raise
         if self.fsync:
-            _fsync_dir(directory)
+            _fsync_dir(os.path.dirname(self.path))
+
+
+def _create(path: str) -> BinaryIO:
+    """A new file at `path`, opened for writing; its directories are made if missing."""
+    try:
+        return open(path, "xb")
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return open(path, "xb")
 
 
 def _store_run(evict: list[str], jobs: list[_Store]) -> list[OSError | None]:
@@ -424,24 +434,27 @@ class _Outcome(enum.Enum):
     FILLED = "filled"
     MISSING = "missing"
     CORRUPT = "corrupt"
-    """Rejected by `decode_page`, and deleted."""
+    """Rejected by `decode_page` (damaged, or another key's file copied or renamed over
+    it), and deleted."""
 
 
-def _load_run(paths: list[str], fmt: PageFormat, staging: bytearray,
+def _load_run(keys: list[str], paths: list[str], fmt: PageFormat, staging: bytearray,
               dests: list[memoryview]) -> list[_Outcome | OSError]:
-    """`_load` each path into its destination, one after another; an error per page."""
+    """`_load` each key's path into its destination, one after another; an error per page."""
     outcomes: list[_Outcome | OSError] = []
-    for path, dest in zip(paths, dests, strict=True):
+    for key, path, dest in zip(keys, paths, dests, strict=True):
         try:
-            outcomes.append(_load(path, fmt, staging, dest))
+            outcomes.append(_load(key, path, fmt, staging, dest))
         except OSError as exc:
             outcomes.append(exc)
     return outcomes
 
 
-def _load(path: str, fmt: PageFormat, staging: bytearray, dest: memoryview) -> _Outcome:
-    """Read the object at `path` into `staging` (one byte longer than an object, so a
-    longer file shows), verify it, and copy its payload into `dest` only if it is good."""
+def _load(key: str, path: str, fmt: PageFormat, staging: bytearray,
+          dest: memoryview) -> _Outcome:
+    """Read `key`'s object at `path` into `staging` (one byte longer than an object, so a
+    longer file shows), verify it is `key`'s, and copy its payload into `dest` only if it is
+    good."""
     view = memoryview(staging)
     got = 0
     try:
@@ -450,7 +463,7 @@ def _load(path: str, fmt: PageFormat, staging: bytearray, dest: memoryview) -> _
                 got += n
     except FileNotFoundError:
         return _Outcome.MISSING
-    payload = decode_page(fmt, view[:got])
+    payload = decode_page(fmt, key, view[:got])
     if payload is None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

@@ -69,8 +69,9 @@ class MemoryBackend:
     async def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
         """Copy each key's verified payload into its buffer; True where it was filled.
 
-        A rejected object (bad header, size or checksum) is a miss, counts in
-        `stats().corrupt`, and is deleted. Cancellation: no buffer is written.
+        A rejected object (bad header, size or checksum, or another key's object) is a
+        miss, counts in `stats().corrupt`, and is deleted. Cancellation: no buffer is
+        written.
         """
         self._check_open()
         views = check_buffers(self.fmt, keys, buffers)
@@ -121,7 +122,7 @@ class MemoryBackend:
         if blob is None:
             self._stats.misses += 1
             return False
-        payload = decode_page(self.fmt, memoryview(blob))
+        payload = decode_page(self.fmt, key, memoryview(blob))
         if payload is None:
             self._stats.corrupt += 1
             self._forget(key)
@@ -142,7 +143,7 @@ class MemoryBackend:
         self._stats.evicted_pages += len(victims)
         self._budget.release(size)
         blob = bytearray(size)
-        blob[:HEADER_SIZE] = encode_header(self.fmt, view)
+        blob[:HEADER_SIZE] = encode_header(self.fmt, key, view)
         blob[HEADER_SIZE:] = view
         self._objects[key] = blob
         self._budget.add(key, size)

@@ -206,8 +206,8 @@ class RedisBackend:
         """Read each key's verified payload into its buffer; True where it was filled.
 
         An absent key is a miss (`stats().misses`). An object that fails `decode_page` is a
-        miss too (`stats().corrupt`): it is deleted, unless it was replaced meanwhile, and
-        its buffer is left as it was.
+        miss too (`stats().corrupt`), another key's object (``RENAME``, ``COPY``) included:
+        it is deleted, unless it was replaced meanwhile, and its buffer is left as it was.
 
         Raises:
             ConfigError: a bad key, or a buffer that is not `fmt.payload_bytes` writable bytes.
@@ -224,7 +224,7 @@ class RedisBackend:
             blobs: list[Blob] = []
             for lo, hi in self._page_ranges(len(names)):
                 blobs += await self._mget(names[lo:hi])
-            payloads = await self._off_loop(len(blobs), _verify, self.fmt, blobs)
+            payloads = await self._off_loop(len(blobs), _verify, self.fmt, keys, blobs)
             await self._remove_rejected(names, blobs, payloads)
         filled = await self._off_loop(len(views), _copy_payloads, payloads, views)
         self._count_reads(blobs, filled)
@@ -250,7 +250,8 @@ class RedisBackend:
         stored: list[bool] = []
         with self._translate(StorageWriteError, "set"):
             for lo, hi in self._page_ranges(len(names)):
-                objects = await self._off_loop(hi - lo, _encode_objects, self.fmt, views[lo:hi])
+                objects = await self._off_loop(hi - lo, _encode_objects, self.fmt, keys[lo:hi],
+                                               views[lo:hi])
                 stored += await self._set_pipeline(names[lo:hi], objects)
         num_stored = sum(stored)
         self._stats.pages_written += num_stored
@@ -364,9 +365,10 @@ class RedisBackend:
 # ---------------------------------------------------------------------- page work (any thread)
 
 
-def _verify(fmt: PageFormat, blobs: list[Blob]) -> list[memoryview | None]:
-    """The checked payload of each blob, or None (absent or rejected)."""
-    return [decode_page(fmt, blob) for blob in blobs]
+def _verify(fmt: PageFormat, keys: Sequence[str],
+            blobs: list[Blob]) -> list[memoryview | None]:
+    """The checked payload of each key's blob, or None (absent or rejected)."""
+    return [decode_page(fmt, key, blob) for key, blob in zip(keys, blobs, strict=True)]
 
 
 def _copy_payloads(payloads: list[memoryview | None], views: list[memoryview]) -> list[bool]:
@@ -377,12 +379,13 @@ def _copy_payloads(payloads: list[memoryview | None], views: list[memoryview]) -
     return [payload is not None for payload in payloads]
 
 
-def _encode_objects(fmt: PageFormat, views: list[memoryview]) -> list[memoryview]:
-    """Header + payload of each page, as one contiguous object each."""
+def _encode_objects(fmt: PageFormat, keys: Sequence[str],
+                    views: list[memoryview]) -> list[memoryview]:
+    """Header + payload of each key's page, as one contiguous object each."""
     objects = []
-    for view in views:
+    for key, view in zip(keys, views, strict=True):
         obj = np.empty(HEADER_SIZE + fmt.payload_bytes, np.uint8)
-        obj[:HEADER_SIZE] = np.frombuffer(encode_header(fmt, view), np.uint8)
+        obj[:HEADER_SIZE] = np.frombuffer(encode_header(fmt, key, view), np.uint8)
         np.copyto(obj[HEADER_SIZE:], np.frombuffer(view, np.uint8))
         objects.append(obj.data)
     return objects

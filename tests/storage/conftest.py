@@ -12,21 +12,24 @@ backend, write one and append it, e.g. for Redis::
             async def put_raw(key: str, blob: bytes) -> None:
                 await raw_client.set(backend.key_prefix + key, blob)
             ...
-            yield Store(backend, corrupt=corrupt, put_raw=put_raw, reopen=reopen,
-                        has_capacity=False)
+            yield Store(backend, corrupt=corrupt, put_raw=put_raw, copy_raw=copy_raw,
+                        rename_raw=rename_raw, reopen=reopen, has_capacity=False)
 
     BACKENDS.append(pytest.param(redis_store, id="redis", marks=needs_redis_server))
 
 Hooks: `corrupt(key)` flips one byte of the stored object; `put_raw(key, blob)` stores
-`blob` as the object, bypassing encoding; `reopen()` opens a second backend over the same
-storage (None where storage does not outlive the instance); `has_capacity` says whether the
-factory honoured `ctx.capacity_bytes` (else the budget tests skip).
+`blob` as the object, bypassing encoding; `copy_raw(src, dst)` and `rename_raw(src, dst)`
+copy or move the object of `src` over `dst` the storage's own way (file copy and rename,
+Redis ``COPY`` and ``RENAME``), bypassing the backend; `reopen()` opens a second backend
+over the same storage (None where storage does not outlive the instance); `has_capacity` says
+whether the factory honoured `ctx.capacity_bytes` (else the budget tests skip).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -81,6 +84,8 @@ class Store:
     backend: StorageBackend
     corrupt: Callable[[str], Awaitable[None]]
     put_raw: Callable[[str, bytes], Awaitable[None]]
+    copy_raw: Callable[[str, str], Awaitable[None]]
+    rename_raw: Callable[[str, str], Awaitable[None]]
     reopen: Callable[[], AbstractAsyncContextManager[StorageBackend]] | None = None
     has_capacity: bool = True
 
@@ -97,7 +102,14 @@ async def memory_store(ctx: StoreContext) -> AsyncIterator[Store]:
         async def put_raw(key: str, blob: bytes) -> None:
             backend._objects[key] = bytearray(blob)
 
-        yield Store(backend, corrupt=corrupt, put_raw=put_raw)
+        async def copy_raw(src: str, dst: str) -> None:
+            backend._objects[dst] = bytearray(backend._objects[src])
+
+        async def rename_raw(src: str, dst: str) -> None:
+            backend._objects[dst] = backend._objects.pop(src)
+
+        yield Store(backend, corrupt=corrupt, put_raw=put_raw, copy_raw=copy_raw,
+                    rename_raw=rename_raw)
 
 
 @asynccontextmanager
@@ -115,11 +127,28 @@ async def file_store(ctx: StoreContext) -> AsyncIterator[Store]:
         async def put_raw(key: str, blob: bytes) -> None:
             _write_file(Path(backend._path(key)), blob)
 
-        yield Store(backend, corrupt=corrupt, put_raw=put_raw, reopen=open_file)
+        async def copy_raw(src: str, dst: str) -> None:
+            _copy_file(Path(backend._path(src)), Path(backend._path(dst)))
+
+        async def rename_raw(src: str, dst: str) -> None:
+            _rename_file(Path(backend._path(src)), Path(backend._path(dst)))
+
+        yield Store(backend, corrupt=corrupt, put_raw=put_raw, copy_raw=copy_raw,
+                    rename_raw=rename_raw, reopen=open_file)
 
 
 def _read_file(path: Path) -> bytes:  # sync on purpose: a test's tiny file, no loop to spare
     return path.read_bytes()
+
+
+def _copy_file(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+
+
+def _rename_file(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    src.replace(dst)
 
 
 def _write_file(path: Path, blob: bytes) -> None:
@@ -147,8 +176,14 @@ async def redis_store(ctx: StoreContext) -> AsyncIterator[Store]:
         async def put_raw(key: str, blob: bytes) -> None:
             await raw.set(prefix + key, blob)
 
-        yield Store(backend, corrupt=corrupt, put_raw=put_raw, reopen=open_redis,
-                    has_capacity=False)
+        async def copy_raw(src: str, dst: str) -> None:
+            assert await raw.copy(prefix + src, prefix + dst, replace=True)
+
+        async def rename_raw(src: str, dst: str) -> None:
+            assert await raw.rename(prefix + src, prefix + dst)
+
+        yield Store(backend, corrupt=corrupt, put_raw=put_raw, copy_raw=copy_raw,
+                    rename_raw=rename_raw, reopen=open_redis, has_capacity=False)
 
 
 BACKENDS: list[Any] = [

@@ -10,11 +10,13 @@ on every read). `case.store.backend` is never faulty: tests set up and inspect t
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 import pytest
+import xxhash
 
 from aiohicache import ClosedError, ConfigError
 from aiohicache.storage import PageFormat, StorageBackend, encode_header
@@ -130,6 +132,33 @@ async def test_a_corrupted_object_is_a_counted_miss_and_is_removed(case: Case) -
     assert await case.get(keys[1:2]) == [make_page(keys[1])]
 
 
+async def test_an_object_renamed_or_copied_to_another_key_is_a_counted_miss(
+        case: Case) -> None:
+    # NOTE: storage binds no object to its name (a file copied or renamed, Redis RENAME or
+    # COPY); served unchecked, such an object is one prefix's KV for another's tokens.
+    a, b, c, d = keys = make_keys(4)
+    await setup(case, keys)
+    await _swap(case, a, b)
+    await case.store.copy_raw(c, d)  # d holds c's object; c keeps its own
+    got = await case.get(keys)
+    assert got[0] is None and got[1] is None and got[3] is None, "another key's page served"
+    assert_correct_or_miss(case, [c], got[2:3])
+    if case.faulty:
+        return
+    assert case.backend.stats().corrupt == 3
+    assert await case.get([a, b, d]) == [None] * 3  # removed: no longer there to reject
+    await case.set(keys, pages_of(keys))  # the next backup repairs them
+    assert await case.get(keys) == pages_of(keys)
+
+
+async def _swap(case: Case, a: str, b: str) -> None:
+    """Swap the stored objects of `a` and `b` behind the backend's back (three renames)."""
+    [spare] = make_keys(1, seed=77)
+    await case.store.rename_raw(a, spare)
+    await case.store.rename_raw(b, a)
+    await case.store.rename_raw(spare, b)
+
+
 def _forgeries(key: str) -> dict[str, bytes]:
     page = make_page(key)
     other_ns = PageFormat.make(namespace="other-model", spec_fingerprint="mha-L2-2x8-bf16",
@@ -139,12 +168,14 @@ def _forgeries(key: str) -> dict[str, bytes]:
     other_page = PageFormat.make(namespace="conformance", spec_fingerprint="mha-L2-2x8-bf16",
                                  page_size=8, payload_bytes=PAYLOAD)
     longer = PageFormat(FMT.namespace_id, FMT.spec_id, PAYLOAD + 1)
-    good = encode_header(FMT, page) + page
+    good = encode_header(FMT, key, page) + page
     return {
-        "other namespace": encode_header(other_ns, page) + page,
-        "other spec": encode_header(other_spec, page) + page,
-        "other page size": encode_header(other_page, page) + page,
-        "other payload size": encode_header(longer, page + b"\0") + page + b"\0",
+        "other namespace": encode_header(other_ns, key, page) + page,
+        "other spec": encode_header(other_spec, key, page) + page,
+        "other page size": encode_header(other_page, key, page) + page,
+        "other payload size": encode_header(longer, key, page + b"\0") + page + b"\0",
+        "other key": encode_header(FMT, make_keys(1, seed=5)[0], page) + page,
+        "format version 1 (no key)": _version_1_header(page) + page,
         "truncated": good[:-1],
         "extended": good + b"\0",
         "header only": good[:HEADER_SIZE],
@@ -153,8 +184,14 @@ def _forgeries(key: str) -> dict[str, bytes]:
     }
 
 
+def _version_1_header(page: bytes) -> bytes:
+    """The header of format version 1, which bound no key: what a store may still hold."""
+    return struct.pack("<4sHH16s16sQQQ", b"AHKV", 1, HEADER_SIZE, FMT.namespace_id,
+                       FMT.spec_id, len(page), xxhash.xxh3_64_intdigest(page), 0)
+
+
 async def test_an_object_of_another_format_or_shape_is_a_miss(case: Case) -> None:
-    keys = make_keys(9)
+    keys = make_keys(11)
     forged = [_forgeries(key) for key in keys]
     kinds = list(forged[0])
     for key, kind, table in zip(keys, kinds, forged, strict=True):

@@ -12,6 +12,7 @@ import asyncio
 import gc
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -65,7 +66,7 @@ async def test_an_object_lives_under_fanout_directories_named_by_its_key(
     assert files_under(tmp_path) == [Path(*parts, key)]
     blob = (tmp_path / Path(*parts, key)).read_bytes()
     assert len(blob) == OBJECT
-    assert decode_page(FMT, blob) == memoryview(make_page(key))  # exactly header + payload
+    assert decode_page(FMT, key, blob) == memoryview(make_page(key))  # header + payload
 
 
 async def test_a_write_leaves_no_temp_file(tmp_path: Path) -> None:
@@ -211,7 +212,7 @@ async def test_cancelled_writes_leave_whole_objects_no_temps_and_a_true_index(
         assert backend.stats().extra["used_bytes"] == written * OBJECT
         assert backend._budget.reserved_bytes == 0
         for path in on_disk:
-            page = decode_page(FMT, (tmp_path / path).read_bytes())
+            page = decode_page(FMT, path.name, (tmp_path / path).read_bytes())
             assert page == memoryview(make_page(path.name))
 
 
@@ -234,6 +235,26 @@ async def test_a_cancelled_read_fills_whole_pages_or_none_and_nothing_after(
         assert sum(filled) == backend.stats().pages_read  # only reads that completed
         await asyncio.sleep(0.01)  # an I/O thread still writing would show now
         assert [bytes(b) for b in buffers] == after_cancel
+
+
+# ---------------------------------------------------------------------------- recovery
+
+@pytest.mark.parametrize("fanout", [0, 2])
+async def test_a_store_directory_removed_while_running_is_made_again(
+        tmp_path: Path, fanout: int) -> None:
+    root = tmp_path / "l3"
+    keys = make_keys(8)
+    async with FileBackend(root, FMT, fanout=fanout) as backend:
+        assert await backend.set_from(keys[:4], pages(keys[:4])) == [True] * 4
+        await anyio.to_thread.run_sync(shutil.rmtree, root)
+        assert await read(backend, keys[:1]) == [None]  # gone with it: a miss
+        # keys[:4] go where directories were made before, keys[4:] where none were
+        assert await backend.set_from(keys, pages(keys, version=1)) == [True] * 8
+        assert await read(backend, keys) == [make_page(k, version=1) for k in keys]
+        await anyio.to_thread.run_sync(shutil.rmtree, root)
+        assert await backend.set_from(keys[4:], pages(keys[4:])) == [True] * 4
+        assert await read(backend, keys[4:]) == [make_page(k) for k in keys[4:]]
+        assert backend.stats().errors == 0
 
 
 # ---------------------------------------------------------------------------- errors

@@ -98,7 +98,7 @@ async def test_stored_value_is_header_and_payload_never_a_pickle(backend: RedisB
     with raw_client(redis_url) as client:
         raw = client.get(f"ahkv:{FMT.namespace_id.hex()}:{key}")
     assert isinstance(raw, bytes) and raw.startswith(b"AHKV")
-    assert raw == encode_header(FMT, page) + bytes(page)
+    assert raw == encode_header(FMT, key, page) + bytes(page)
 
 
 async def test_a_pickle_stored_under_a_key_is_a_miss_never_unpickled(
