@@ -31,6 +31,7 @@ from .replay.runner import (
     sweep_configs,
 )
 from .replay.runner import replay as run_replay
+from .storage import check_url
 
 __all__ = ("cli", "loop_factory", "loop_option", "main")
 
@@ -56,6 +57,40 @@ def loop_option(f: F) -> F:
     """``--loop asyncio|uvloop``, shared by every subcommand that runs a loop."""
     return click.option("--loop", "loop", type=click.Choice(LOOPS), default="asyncio",
                         show_default=True, help="Event loop to run on.")(f)
+
+
+def _comma_list(ctx: click.Context, param: click.Parameter, text: str | None) -> list[str] | None:
+    """Callback of a comma-separated option: its items; an empty or blank item (``1,,2``,
+    ``,``, ``""``) is a usage error naming the option."""
+    if text is None:
+        return None
+    items = [x.strip() for x in text.split(",")]
+    if not all(items):
+        raise click.BadParameter(f"comma-separated values, none empty, got {text!r}")
+    return items
+
+
+def _int_list(lo: int, hi: int) -> Callable[[click.Context, click.Parameter, str], list[int]]:
+    """Callback of a comma-separated option of ints in ``lo..hi``."""
+    def parse(ctx: click.Context, param: click.Parameter, text: str) -> list[int]:
+        try:
+            values = [int(x) for x in _comma_list(ctx, param, text) or []]
+        except ValueError:
+            raise click.BadParameter(f"comma-separated ints, got {text!r}") from None
+        if not all(lo <= v <= hi for v in values):
+            raise click.BadParameter(f"ints in {lo}..{hi}, got {text!r}")
+        return values
+    return parse
+
+
+def _l3_url(ctx: click.Context, param: click.Parameter, text: str) -> str:
+    """Callback of ``--l3``: a malformed URL is a usage error before anything starts."""
+    if text not in ("tmp", "none"):
+        try:
+            check_url(text)
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc).removeprefix("storage: ")) from None
+    return text
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -112,49 +147,38 @@ def bench_redis_cmd(quick: bool) -> None:
 
 
 @bench.command("tp")
-@click.option("--ranks", default="2,4", show_default=True, help="TP sizes, comma-separated.")
+@click.option("--ranks", default="2,4", show_default=True, callback=_int_list(2, 64),
+              help="TP sizes, comma-separated.")
 @click.option("--steps", type=click.IntRange(min=1), default=300, show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=8, show_default=True,
               help="Fetches per scheduler step.")
-def bench_tp_cmd(ranks: str, steps: int, batch: int) -> None:
+def bench_tp_cmd(ranks: list[int], steps: int, batch: int) -> None:
     """Consensus tick overhead per scheduler step, TP (gloo processes) vs one rank."""
     from .bench.tp import bench_tp, format_tp
-    sizes = _int_list("--ranks", ranks, lo=2, hi=64)
-    click.echo(format_tp(bench_tp(sizes, steps=steps, batch=batch)))
+    click.echo(format_tp(bench_tp(ranks, steps=steps, batch=batch)))
 
 
 @bench.command("transfer")
-@click.option("--pages", default="1,16,64,256", show_default=True,
+@click.option("--pages", default="1,16,64,256", show_default=True, callback=_int_list(1, 256),
               help="Page sizes (tokens), comma-separated.")
 @click.option("--ctas", default="1,2,4,8,16,32", show_default=True,
-              help="CTA budgets of the kernel path, comma-separated.")
+              callback=_int_list(1, 1024), help="CTA budgets of the kernel path, comma-separated.")
 @click.option("--total-mb", type=click.IntRange(min=1), default=64, show_default=True,
               help="Bytes moved per copy.")
 @click.option("--repeat", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--layout", type=click.Choice(["page_first", "layer_first"]),
               default="page_first", show_default=True, help="Host pool layout.")
-def bench_transfer_cmd(pages: str, ctas: str, total_mb: int, repeat: int, layout: str) -> None:
+def bench_transfer_cmd(pages: list[int], ctas: list[int], total_mb: int, repeat: int,
+                       layout: str) -> None:
     """GPU page copies: kernel and direct paths vs one contiguous pinned copy (needs CUDA)."""
     from .bench.transfer import bench_transfer, format_transfer
-    page_sizes = _int_list("--pages", pages, lo=1, hi=256)
-    budgets = _int_list("--ctas", ctas, lo=1, hi=1024)
     try:
-        report = bench_transfer(page_sizes=page_sizes, ctas=budgets, total_mb=total_mb,
+        report = bench_transfer(page_sizes=pages, ctas=ctas, total_mb=total_mb,
                                 repeat=repeat, layout=layout,  # type: ignore[arg-type]
                                 echo=click.echo)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(format_transfer(report, budgets))
-
-
-def _int_list(option: str, text: str, *, lo: int, hi: int) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise click.UsageError(f"{option}: comma-separated ints, got {text!r}") from exc
-    if not values or not all(lo <= v <= hi for v in values):
-        raise click.UsageError(f"{option}: ints in {lo}..{hi}, got {text!r}")
-    return values
+    click.echo(format_transfer(report, ctas))
 
 
 @bench.command("tree")
@@ -203,7 +227,7 @@ _POLICIES = ("write_through", "write_through_selective", "write_back")
               help="L1 capacity: tokens (256k, 1M) or model bytes (32GiB).")
 @click.option("--l2", "l2", default="4M", show_default=True,
               help="L2 capacity: tokens or model bytes; 0 for a single tier.")
-@click.option("--l3", "l3", default="tmp", show_default=True,
+@click.option("--l3", "l3", default="tmp", show_default=True, callback=_l3_url,
               help="L3: 'tmp' (a temporary file store), 'none', or a URL (file:///dir, "
                    "redis://host:port/0, memory://).")
 @click.option("--prefetch-policy", type=click.Choice(["wait_complete", "timeout", "best_effort"]),
@@ -224,7 +248,7 @@ _POLICIES = ("write_through", "write_through_selective", "write_back")
 @click.option("--settle/--no-settle", default=True, show_default=True,
               help="Sequential replays: let each request's copies settle before the next "
                    "(same numbers every run).")
-@click.option("--sweep", default=None,
+@click.option("--sweep", default=None, callback=_comma_list,
               help="Comma-separated L1 capacities: print the hit-ratio curve.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="With --sweep: write the curve as a PNG.")
@@ -235,7 +259,8 @@ def replay(trace: str, limit: int | None, model: str, layers: int | None,
            kv_heads: int | None, head_dim: int | None, dtype: str, kv_scale: int, l1: str,
            l2: str, l3: str, prefetch_policy: str, page_size: int, write_policy: str,
            eviction: str, host_layout: str,
-           time_mode: str, speedup: float, concurrency: int, settle: bool, sweep: str | None,
+           time_mode: str, speedup: float, concurrency: int, settle: bool,
+           sweep: list[str] | None,
            plot: str | None, as_json: bool, no_progress: bool, loop: str) -> None:
     """Replay a serving trace through a real cache and report what each tier served.
 
@@ -255,19 +280,30 @@ def replay(trace: str, limit: int | None, model: str, layers: int | None,
             speedup=speedup, concurrency=concurrency, settle=settle,
             storage=None if l3 == "none" else l3,
             prefetch_policy=prefetch_policy)  # type: ignore[arg-type]
-        configs = [base] if sweep is None else sweep_configs(base, [
-            parse_capacity(x, bytes_per_token=spec.bytes_per_token, field_name="sweep")
-            for x in sweep.split(",") if x.strip()])
+        configs = [base] if sweep is None else sweep_configs(
+            base, _sweep_tokens(sweep, spec.bytes_per_token))
         requests = load_trace(trace, limit=limit)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    results = [_replay_one(c, requests, loop, progress=not (no_progress or as_json))
-               for c in configs]
+    try:
+        results = [_replay_one(c, requests, loop, progress=not (no_progress or as_json))
+                   for c in configs]
+    except ConfigError as exc:  # e.g. a pool larger than the machine: device_pages from --l1
+        raise click.UsageError(str(exc)) from exc
     _print_replay(results, trace, as_json=as_json, swept=sweep is not None)
     if plot is not None:
         plot_sweep(results, plot, title=f"aiohicache replay: {trace}")
         if not as_json:
             click.echo(f"plot written to {plot}")
+
+
+def _sweep_tokens(sweep: list[str], bytes_per_token: int) -> list[int]:
+    try:
+        return [parse_capacity(x, bytes_per_token=bytes_per_token, field_name="sweep")
+                for x in sweep]
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc).removeprefix("sweep: "),
+                                 param_hint="'--sweep'") from None
 
 
 def _replay_spec(model: str, layers: int | None, kv_heads: int | None,

@@ -232,6 +232,9 @@ class HiCacheConfig:
     """Share of the host pool that prefetches in flight may hold."""
     storage_miss_ttl: float = 5.0
     """Seconds a prefix L3 did not have is not asked for again (negative cache)."""
+    storage_miss_max_entries: int = 4096
+    """Most prefixes the negative cache remembers; past it the oldest are forgotten (and
+    asked of L3 again). 0 turns the negative cache off."""
     backup_threshold: int = 1
     """Hits a node needs before its settled host copy is backed up to L3."""
     backup_max_inflight_bytes: int = 256 << 20
@@ -287,7 +290,11 @@ class HiCacheConfig:
                 f"max_worker_restarts: must be an int >= 0, got {self.max_worker_restarts!r}")
 
     def _check_storage(self) -> None:
-        if self.storage is not None and not isinstance(self.storage, str) and not all(
+        if isinstance(self.storage, str):
+            from .storage.factory import check_url  # storage imports config: not at the top
+
+            check_url(self.storage)
+        elif self.storage is not None and not all(
                 hasattr(self.storage, m) for m in ("exists", "get_into", "set_from", "aclose")):
             raise ConfigError("storage: must be None, a URL or a StorageBackend object")
         _choice("prefetch_policy", self.prefetch_policy,
@@ -302,6 +309,7 @@ class HiCacheConfig:
         _positive_int("backup_threshold", self.backup_threshold)
         _positive_int("backup_max_inflight_bytes", self.backup_max_inflight_bytes)
         _positive_int("storage_failures_to_open", self.storage_failures_to_open)
+        _non_negative_int("storage_miss_max_entries", self.storage_miss_max_entries)
         _non_negative_int("tp_rank", self.tp_rank)
         _positive_int("tp_size", self.tp_size)
         if self.tp_rank >= self.tp_size:

@@ -89,11 +89,16 @@ def test_bench_transfer_without_cuda_says_so() -> None:
     assert "needs a CUDA device" in result.output
 
 
-@pytest.mark.parametrize("args", [["--pages", "0"], ["--pages", "x"], ["--ctas", "2000"]])
-def test_bench_transfer_rejects_bad_sweeps(args: list[str]) -> None:
-    result = CliRunner().invoke(cli, ["bench", "transfer", *args])
-    assert result.exit_code == 2
-    assert args[0] in result.output
+@pytest.mark.parametrize("args", [
+    ["transfer", "--pages", "0"], ["transfer", "--pages", "x"], ["transfer", "--ctas", "2000"],
+    ["transfer", "--pages", "16,,64"], ["transfer", "--ctas", ","], ["transfer", "--pages", ""],
+    ["tp", "--ranks", "2,,4"], ["tp", "--ranks", " "], ["tp", "--ranks", "2,"]])
+def test_bench_rejects_bad_comma_lists_naming_the_option(args: list[str]) -> None:
+    result = CliRunner().invoke(cli, ["bench", *args, "--steps", "1"] if args[0] == "tp"
+                                else ["bench", *args])
+    assert result.exit_code == 2, result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith(f"Error: Invalid value for '{args[1]}'"), result.output
 
 
 @pytest.mark.gpu

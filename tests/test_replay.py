@@ -102,6 +102,39 @@ def test_cli_replay_rejects_bad_options_clearly() -> None:
     assert result.exit_code == 2
 
 
+def _usage_error_line(args: list[str]) -> str:
+    """The one error line of a usage error (exit 2, no traceback)."""
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "Traceback" not in result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("Error: "), result.output
+    return last
+
+
+@pytest.mark.parametrize(("url", "why"), [
+    ("ftp://x", "unknown URL scheme 'ftp'"), ("memory://x", "memory URLs take nothing"),
+    ("redis://h:notaport/0", "port 'notaport'"), ("file://otherhost/dir", "'otherhost'"),
+    ("redis://h:1/db", "database number")])
+def test_cli_replay_rejects_a_bad_l3_url_as_a_usage_error(url: str, why: str) -> None:
+    line = _usage_error_line(["replay", "--l3", url, "--limit", "1", "--no-progress",
+                              "--model", "tiny", "--kv-scale", "1"])
+    assert "'--l3'" in line and why in line
+
+
+@pytest.mark.parametrize("sweep", [",,", "", " ", "50k,,200k", "50k,"])
+def test_cli_replay_rejects_blank_sweep_items(sweep: str) -> None:
+    line = _usage_error_line(["replay", "--sweep", sweep, "--limit", "1", "--no-progress",
+                              "--model", "tiny", "--kv-scale", "1"])
+    assert "'--sweep'" in line
+
+
+def test_cli_replay_rejects_a_cache_larger_than_the_machine() -> None:
+    line = _usage_error_line(["replay", "--l1", "100000000G", "--limit", "1",
+                              "--no-progress", "--model", "tiny", "--kv-scale", "1"])
+    assert "device_pages" in line
+
+
 async def test_settled_sequential_replays_are_deterministic() -> None:
     requests = load_trace("mooncake", limit=300)
     config = ReplayConfig(spec=MODELS["llama3-8b"], kv_scale=64, device_tokens=300_000,

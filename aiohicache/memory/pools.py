@@ -6,6 +6,7 @@ a ``(num_pages, page_size, *row_shape)`` view; transfers copy pages between such
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import numpy as np
@@ -18,11 +19,16 @@ from .pinned import register
 
 __all__ = ("DevicePool", "HostPool")
 
+_ID_BYTES = 9
+"""Host bytes `PageAllocator` keeps per page: an int64 in its free stack, a bool in its bitmap."""
+
 
 class _PagePool:
     __slots__ = ("allocator", "data", "num_pages", "page_size", "spec")
 
-    def __init__(self, spec: KVSpec, *, num_pages: int, page_size: int, name: str) -> None:
+    def __init__(self, spec: KVSpec, *, num_pages: int, page_size: int, name: str,
+                 field: str, device: torch.device) -> None:
+        _check_fits(field, num_pages, page_size, spec, device)
         self.spec = spec
         self.num_pages = num_pages
         self.page_size = page_size
@@ -50,10 +56,11 @@ class DevicePool(_PagePool):
 
     def __init__(self, spec: KVSpec, *, num_pages: int, page_size: int,
                  device: str | torch.device = "cpu") -> None:
-        super().__init__(spec, num_pages=num_pages, page_size=page_size, name="device pool")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device: {self.device} requested, but torch sees no CUDA device")
+        super().__init__(spec, num_pages=num_pages, page_size=page_size, name="device pool",
+                         field="device_pages", device=self.device)
         shape = (spec.num_kv, spec.num_layers, num_pages, page_size, *spec.row_shape)
         self.data = torch.zeros(shape, dtype=spec.dtype, device=self.device)
 
@@ -137,7 +144,8 @@ class HostPool(_PagePool):
     def __init__(self, spec: KVSpec, *, num_pages: int, page_size: int,
                  layout: Literal["layer_first", "page_first"] = "page_first",
                  pin_memory: bool = False) -> None:
-        super().__init__(spec, num_pages=num_pages, page_size=page_size, name="host pool")
+        super().__init__(spec, num_pages=num_pages, page_size=page_size, name="host pool",
+                         field="host_pages", device=torch.device("cpu"))
         if layout not in ("layer_first", "page_first"):
             raise ConfigError(f"host_layout: unknown layout {layout!r}")
         self.layout = layout
@@ -173,3 +181,40 @@ class HostPool(_PagePool):
         if self.layout == "page_first":
             return self.data[page]
         return self.data[:, :, page].clone()
+
+
+def _check_fits(field: str, num_pages: int, page_size: int, spec: KVSpec,
+                device: torch.device) -> None:
+    """Refuse, naming `field`, a pool the machine certainly cannot hold, before allocating.
+
+    Certainly: host RAM is compared with the machine's physical memory (KV of CPU pools plus
+    the allocator's page ids), GPU memory with what is free on the device plus what torch's
+    caching allocator holds unused. Sizes that pass may still fail (other pools, other
+    processes); sizes that fail would otherwise be numpy's or torch's MemoryError.
+
+    Raises:
+        ConfigError: ``device_pages: ...`` or ``host_pages: ...`` with the bytes needed and
+            those there are.
+    """
+    if not all(type(x) is int for x in (num_pages, page_size)):
+        return  # not a size: PageAllocator and the tensor constructor say so
+    kv_bytes = num_pages * page_size * spec.bytes_per_token
+    host_bytes = num_pages * _ID_BYTES + (kv_bytes if device.type == "cpu" else 0)
+    ram = _physical_memory()
+    if ram is not None and host_bytes > ram:
+        raise ConfigError(f"{field}: {num_pages:,} pages need {host_bytes:,} bytes of host "
+                          f"memory; this machine has {ram:,} bytes")
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
+            - torch.cuda.memory_allocated(device)
+        if kv_bytes > free:
+            raise ConfigError(f"{field}: {num_pages:,} pages need {kv_bytes:,} bytes on "
+                              f"{device}; {free:,} bytes are free there")
+
+
+def _physical_memory() -> int | None:
+    """Bytes of RAM in this machine, or None where the platform does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows), or no such name
+        return None

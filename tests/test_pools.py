@@ -1,0 +1,60 @@
+"""Pool sizes the machine cannot hold are a ConfigError naming the field, before allocating."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from aiohicache import ConfigError, HiCache, HiCacheConfig, KVSpec
+from aiohicache.memory import DevicePool, HostPool
+
+SPEC = KVSpec.mha(num_layers=2, num_kv_heads=1, head_dim=16, dtype="fp16")
+
+
+def test_a_device_pool_larger_than_memory_names_device_pages() -> None:
+    with pytest.raises(ConfigError, match=r"^device_pages: 1,000,000,000,000,000 pages need "
+                                          r"[0-9,]+ bytes of host memory; this machine has "
+                                          r"[0-9,]+ bytes$"):
+        DevicePool(SPEC, num_pages=10**15, page_size=16)
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_a_host_pool_larger_than_memory_names_host_pages(layout: str) -> None:
+    with pytest.raises(ConfigError, match=r"^host_pages: .* bytes .* bytes"):
+        HostPool(SPEC, num_pages=10**15, page_size=16, layout=layout)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("sizes", "field"), [
+    ({"device_pages": 10**15}, "device_pages"),
+    ({"device_pages": 8, "host_pages": 10**15}, "host_pages"),
+    ({"device_pages": 8, "host_bytes": 10**16}, "host_pages"),
+    ({"device_pages": 10**12, "host_ratio": 1000.0}, "device_pages"),
+])
+def test_an_absurd_cache_is_refused_before_anything_is_allocated(
+        sizes: dict[str, int], field: str) -> None:
+    config = HiCacheConfig(spec=SPEC, page_size=16, **sizes)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=f"^{field}: "):
+        HiCache(config)
+
+
+def test_the_bookkeeping_of_many_tiny_pages_counts_too() -> None:
+    tiny = KVSpec.mla(num_layers=1, kv_lora_rank=1, rope_dim=0, dtype="fp16")  # 2-byte pages
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with pytest.raises(ConfigError, match="^host_pages: "):  # KV 0.4x RAM, page ids 1.8x
+        HostPool(tiny, num_pages=ram // 5, page_size=1)
+
+
+def test_pools_that_fit_are_made() -> None:
+    pool = HostPool(SPEC, num_pages=4, page_size=16)
+    assert pool.nbytes == 4 * 16 * SPEC.bytes_per_token
+    assert DevicePool(SPEC, num_pages=4, page_size=16).nbytes == pool.nbytes
+
+
+@pytest.mark.gpu
+def test_a_cuda_pool_larger_than_the_gpu_names_device_pages() -> None:
+    total = torch.cuda.mem_get_info()[1]
+    pages = total // (16 * SPEC.bytes_per_token) + 1  # more than the GPU, less than host RAM
+    with pytest.raises(ConfigError, match=r"^device_pages: .* cuda"):
+        DevicePool(SPEC, num_pages=pages, page_size=16, device="cuda")
