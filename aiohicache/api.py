@@ -142,8 +142,7 @@ class HiCache:
         self._runner: asyncio.Task[None] | None = None
         self._leased = np.zeros(config.device_pages, dtype=np.int64)  # page -> owner, 0 = none
         self._num_leased = 0
-        self._pins: dict[int, Node] = {}  # live fetch contexts -> their deepest pinned node
-        self._pin_ids = itertools.count()
+        self._pins: dict[int, Node] = {}  # live fetch context (owner id) -> deepest pinned node
         self._counters = _Counters()
         self._calls_crc = 0  # TP: CRC of every fetched token sequence, in agreed order
         self._state: Literal["new", "open", "closing", "closed"] = "new"
@@ -267,7 +266,7 @@ class HiCache:
         Returns an async context manager; entering it does the match and returns the
         `FetchContext`, leaving it unpins (also on error or cancellation).
         """
-        return FetchContext(self, _as_tokens(tokens), source=tokens)
+        return FetchContext(self, _as_tokens(tokens))
 
     async def allocate(self, num_tokens: int) -> torch.Tensor:
         """Lease device slots for `num_tokens` new tokens (whole pages), evicting as needed.
@@ -351,11 +350,13 @@ class HiCache:
         """Free those of `pages` still leased to `owner` (the user may have freed some)."""
         self._release_leases(pages[self._leased[pages] == owner], free=True)
 
-    def _pin(self, node: Node | None) -> int:
-        key = next(self._pin_ids)
+    def _pin(self, owner: int, node: Node | None) -> int:
+        """Pin `node` for the context `owner`; a context holds at most one pin."""
+        if owner in self._pins:
+            raise InvariantError(f"fetch context {owner} is pinned already")
         self.tree.lock(node)
-        self._pins[key] = node if node is not None else self.tree.root
-        return key
+        self._pins[owner] = node if node is not None else self.tree.root
+        return owner
 
     def _repin(self, key: int, node: Node | None) -> None:
         self.tree.lock(node)
@@ -491,20 +492,36 @@ def _ids(parts: list[PageIds | None]) -> PageIds:
 
 
 def _as_tokens(tokens: TokenInput) -> Tokens:
-    """Token ids as a fresh 1-D int64 array (a copy: the caller may reuse its buffer)."""
+    """Token ids as a fresh 1-D int64 array (a copy: the caller may reuse its buffer).
+
+    Ids must fit in int64: a uint64 id of 2**63 or more would wrap to a negative id and
+    match KV committed for another token, so it is refused rather than converted.
+    """
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex \
                 or tokens.dtype == torch.bool:
             raise ConfigError("tokens: must be a 1-D integer tensor")
-        return tokens.detach().cpu().numpy().astype(np.int64)
-    if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence | np.ndarray):
+        arr = tokens.detach().cpu().numpy()
+    elif isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence | np.ndarray):
         raise ConfigError(f"tokens: must be a sequence of ints, got {type(tokens).__name__}")
-    arr = np.array(tokens)
+    else:
+        try:
+            arr = np.array(tokens)
+        except (ValueError, TypeError) as exc:  # ragged nesting, or ids numpy cannot hold
+            raise ConfigError(f"tokens: must be a 1-D sequence of int token ids ({exc})") \
+                from None
     if arr.size == 0:
         return np.empty(0, dtype=np.int64)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise ConfigError("tokens: must be a 1-D sequence of int token ids")
-    return arr.astype(np.int64, copy=False)
+        raise ConfigError("tokens: must be a 1-D sequence of int token ids (each in int64 "
+                          "range)")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _MAX_TOKEN:
+        raise ConfigError(f"tokens: token id {int(arr.max())} does not fit in int64 "
+                          f"(max {_MAX_TOKEN})")
+    return arr.astype(np.int64, copy=True)
+
+
+_MAX_TOKEN = int(np.iinfo(np.int64).max)
 
 
 class FetchContext:
@@ -515,10 +532,9 @@ class FetchContext:
         device_indices: device token slots (int64 tensor) of that prefix, for attention.
     """
 
-    def __init__(self, cache: HiCache, tokens: Tokens, *, source: object = None) -> None:
+    def __init__(self, cache: HiCache, tokens: Tokens) -> None:
         self._cache = cache
         self.tokens = tokens
-        self._source = source  # what the caller passed: commit(same object) skips conversion
         self.num_cached_tokens = 0
         self.num_device_hit_tokens = 0
         self.num_host_hit_tokens = 0
@@ -534,6 +550,7 @@ class FetchContext:
         self._owner = next(_owner_ids)
         self._allocated: tuple[torch.Tensor, PageIds, int] | None = None
         self._prefetching: PrefetchJob | None = None  # TP: the prefetch the enter op waits on
+        self._entered = False  # a context is entered once: its pin and leases are its own
         self._page_size = cache.config.page_size
 
     def __repr__(self) -> str:
@@ -553,9 +570,12 @@ class FetchContext:
         and this context unpins before the cancellation propagates.
         """
         cache = self._cache
+        if self._entered:
+            raise ClosedError("a FetchContext can be entered once: call cache.fetch() again")
         ctl = cache._check_open()
         if len(self.tokens) == 0:
             raise ConfigError("tokens: must not be empty")
+        self._entered = True
         if cache._tp is not None:
             await cache._tp.call(self._enter_op, undo=lambda _: self._release_now())
             return self
@@ -576,7 +596,7 @@ class FetchContext:
 
     def _plan_load(self, match: Match) -> LoadJob | None:
         cache = self._cache
-        self._pin = cache._pin(match.last_device_node)
+        self._pin = cache._pin(self._owner, match.last_device_node)
         job = cache.controller.plan_load(match)
         self._adopt(match, job)
         return job
@@ -633,9 +653,7 @@ class FetchContext:
         if job is not None:
             self._jobs.append(job)
             cache._repin(self._pin_key, nodes[-1])
-        joined = {id(n.load_op): n.load_op for n in match.device_nodes
-                  if n.device_state is DeviceState.LOADING and isinstance(n.load_op, LoadJob)}
-        self._jobs.extend(joined.values())
+        self._join_loads(match.device_nodes)
         self._pages = _ids([n.device_pages for n in nodes])
         self.num_cached_tokens = len(self._pages) * ps
         resident = sum(n.num_pages for n in match.device_nodes
@@ -651,6 +669,16 @@ class FetchContext:
         c.device_hit_tokens += resident
         c.host_hit_tokens += self.num_host_hit_tokens
         c.storage_hit_tokens += self.num_storage_hit_tokens
+
+    def _join_loads(self, nodes: list[Node]) -> None:
+        """Depend on the loads still filling `nodes`: `ready`/`layer_ready` wait for them."""
+        known = {id(job) for job in self._jobs}
+        for node in nodes:
+            op = node.load_op
+            if node.device_state is DeviceState.LOADING and isinstance(op, LoadJob) \
+                    and id(op) not in known:
+                known.add(id(op))
+                self._jobs.append(op)
 
     @property
     def _pin_key(self) -> int:
@@ -695,6 +723,7 @@ class FetchContext:
                 0 <= layer < self._cache.config.spec.num_layers):
             raise ConfigError(f"layer: must be in 0..{self._cache.config.spec.num_layers - 1}, "
                               f"got {layer!r}")
+        self._check_active()
         for job in self._jobs:
             if stream is None:
                 await job.wait_layer(layer)
@@ -707,7 +736,15 @@ class FetchContext:
                 stream.wait_event(event)  # type: ignore[arg-type]
 
     async def ready(self) -> None:
-        """Wait until every layer of the cached prefix is on the device (see `layer_ready`)."""
+        """Wait until every layer of the cached prefix is on the device (see `layer_ready`).
+
+        Raises:
+            ClosedError: the context's block has ended.
+            TransferError: a load this request depends on failed.
+
+        Cancellation: cancels only the wait.
+        """
+        self._check_active()
         for job in self._jobs:
             await job.wait()
 
@@ -724,6 +761,8 @@ class FetchContext:
             raise ConfigError(f"num_tokens: must be a positive int, got {num_tokens!r}")
         ps = self._cache.config.page_size
         head = None
+        if self._tail is not None and self._cache._leased[self._tail[0]] != self._owner:
+            self._tail = None  # the partial page was freed (and maybe re-leased): start afresh
         if self._tail is not None:
             page, used = self._tail
             take = min(num_tokens, ps - used)
@@ -765,7 +804,7 @@ class FetchContext:
         self._check_active()
         cache = self._cache
         ctl = cache._check_open()
-        toks = self.tokens if tokens is self._source else _as_tokens(tokens)
+        toks = _as_tokens(tokens)  # always a copy: the caller may have edited its list
         if cache._tp is not None:
             await cache._tp.call(lambda op: ctl.launch_now(self._commit_now(toks, slots)))
             return
@@ -786,14 +825,15 @@ class FetchContext:
             return None
         pages = self._check_commit(toks, slots)
         new_full = num_full - len(self._pages)
-        cache._release_leases(pages[:new_full], free=False)
-        self._leases = [kept for p in self._leases
-                        if len(kept := p[cache._leased[p] == self._owner])]
         all_pages = np.concatenate([self._pages, pages[:new_full]])
         hashes = cache.storage.keys(toks[:num_full * ps], self._path()) \
             if cache.storage is not None else None
+        # Insert before the leases end: if it raises, the pages are still leased, not lost.
         res = cache.tree.insert(toks[:num_full * ps], all_pages, start_page=len(self._pages),
                                 hashes=hashes)
+        cache._release_leases(pages[:new_full], free=False)
+        self._leases = [kept for p in self._leases
+                        if len(kept := p[cache._leased[p] == self._owner])]
         for dup in res.duplicate_pages:
             cache.device_pool.allocator.free(dup)
         self._tail = None
@@ -805,6 +845,10 @@ class FetchContext:
                 self._leases.append(adopted)
             self._tail = (int(pages[new_full]), len(toks) % ps)
         cache._repin(self._pin_key, res.last_node)
+        if res.last_node is not None:
+            # A page another request is loading replaced ours as a duplicate: our prefix now
+            # reads that load's pages, so `ready`/`layer_ready` must wait for it.
+            self._join_loads(res.last_node.path_to_root())
         if len(toks) > len(self.tokens):
             self.tokens = toks
         self._pages = _ids([n.device_pages for n in reversed(res.last_node.path_to_root())]) \
@@ -834,8 +878,10 @@ class FetchContext:
             pages = self._allocated[1]
         else:
             pages = self._cache.device_pool.slots_to_pages(slots)
-        if len(pages) and not (self._cache._leased[pages] != 0).all():
-            raise PageError("slots: not leased by allocate() (already committed or freed?)")
+        owners = self._cache._leased[pages]
+        if len(pages) and not ((owners == self._owner) | (owners == _ANONYMOUS)).all():
+            raise PageError("slots: not leased by allocate() of this context or of the cache "
+                            "(already committed, freed, or another request's?)")
         return pages
 
     def _check_active(self) -> None:

@@ -27,9 +27,8 @@ from typing import Any, TypeVar
 
 import anyio
 import numpy as np
-from anyio.streams.memory import MemoryObjectReceiveStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ._concurrency import finish_then_cancel
 from .config import HiCacheConfig
 from .errors import CapacityError, TPError, WorkerError
 from .l3 import StorageTier
@@ -147,6 +146,7 @@ class Controller:
         self._unsettled: dict[int, _Job] = {}     # every planned job until it settles
         self._wakeup = asyncio.Event()
         self._settled = asyncio.Event()
+        self._room = asyncio.Event()              # set when a worker empties its channel
         self.demoting_pages = 0                   # device pages freed when write-backs settle
 
     # ------------------------------------------------------------------ state
@@ -275,25 +275,41 @@ class Controller:
             self._launch_writes([job])
 
     async def submit_load(self, job: LoadJob) -> None:
-        """Queue a planned load. Cancellation: deferred until the job is queued."""
-        await self._send(self._load_tx.send, job)
+        """Queue a planned load, waiting while the channel is full (backpressure).
+
+        Cancellation: the job is launched at once, past the channel, and the cancellation
+        propagates without waiting for room.
+        """
+        await self._send(self._load_tx, job)
 
     async def submit_write(self, job: WriteJob) -> None:
-        """Queue a planned write. Cancellation: deferred until the job is queued."""
-        await self._send(self._write_tx.send, job)
+        """Queue a planned write; like `submit_load`."""
+        await self._send(self._write_tx, job)
 
-    async def _send(self, send: Callable[[J], Awaitable[None]], job: J) -> None:
+    async def _send(self, tx: MemoryObjectSendStream[J], job: J) -> None:
         # The job's nodes are already in a transitional state: it must reach a worker even if
-        # the caller is cancelled, or they would stay LOADING/WRITING for ever.
+        # the caller is cancelled, or they would stay LOADING/WRITING for ever. send_nowait
+        # either queues it or not (anyio's send() may deliver and still raise Cancelled), so
+        # a cancelled wait for room knows the job is ours to launch.
         self._queued += 1
         self._unsettled[id(job)] = job
         try:
-            await finish_then_cancel(send(job))
+            while True:
+                try:
+                    tx.send_nowait(job)
+                    return
+                except anyio.WouldBlock:
+                    await self._room.wait()
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            # Closing: nobody will launch it, so launch it here; aclose() drains it.
-            self._queued -= 1
-            launch = self._launch_loads if isinstance(job, LoadJob) else self._launch_writes
-            launch([job])
+            self._launch_unqueued(job)  # closing: nobody else will launch it; aclose() drains
+        except BaseException:
+            self._launch_unqueued(job)  # cancelled while waiting for room
+            raise
+
+    def _launch_unqueued(self, job: _Job) -> None:
+        self._queued -= 1
+        launch = self._launch_loads if isinstance(job, LoadJob) else self._launch_writes
+        launch([job])
 
     async def alloc_device_wait(self, num_pages: int) -> PageIds:
         """Like `alloc_device`, but waits while copies in flight may free pages.
@@ -310,6 +326,7 @@ class Controller:
             raise CapacityError(f"asked for {num_pages} device pages; the pool has "
                                 f"{self.tree.device_alloc.capacity}")
         while True:
+            self.check_healthy()  # a failed cache settles nothing more: do not wait for it
             pages = self.alloc_device(num_pages)
             if pages is not None:
                 return pages
@@ -328,22 +345,38 @@ class Controller:
                 self.storage.start(tg)  # prefetch and backup tasks live in this group
             tg.start_soon(self._supervise, "load", self._load_worker)
             tg.start_soon(self._supervise, "write", self._write_worker)
-            tg.start_soon(self._supervise, "settle", self._settle_worker)
+            tg.start_soon(self._supervise, "settle", self._settle_worker, 0)
             task_status.started()
 
-    async def _supervise(self, name: str, worker: Callable[[], Awaitable[None]]) -> None:
+    async def _supervise(self, name: str, worker: Callable[[], Awaitable[None]],
+                         max_restarts: int | None = None) -> None:
+        """Run `worker`, restarting it after a crash up to `max_restarts` times (default:
+        the config's), then fail the cache.
+
+        The settle worker gets no restart: a crash inside `settle` leaves a job half applied
+        (nodes LOADING/WRITING for good), so the cache must stop serving, visibly.
+        """
+        limit = self.config.max_worker_restarts if max_restarts is None else max_restarts
         restarts = 0
         while True:
             try:
                 await worker()
                 return
             except Exception as exc:
+                if restarts >= limit:
+                    log.exception("%s worker crashed; the cache stops serving", name)
+                    self.fail(exc)
+                    return
                 restarts += 1
                 self.counters.worker_restarts += 1
                 log.exception("%s worker crashed (restart %d)", name, restarts)
-                if restarts > self.config.max_worker_restarts:
-                    self.failure = exc
-                    return
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop serving for good: later calls raise, and waiters for settles wake up."""
+        if self.failure is None:
+            self.failure = exc
+        self._settled.set()
+        self._settled = asyncio.Event()
 
     async def _load_worker(self) -> None:
         await self._drain_channel(self._load_rx, self._launch_loads, self._loads)
@@ -363,6 +396,8 @@ class Controller:
                 except (anyio.WouldBlock, anyio.EndOfStream):
                     break
             self._queued -= len(batch)
+            self._room.set()  # wake senders waiting for room, then re-arm
+            self._room = asyncio.Event()
             launch(batch)
             while len(inflight) > limit:  # backpressure: the channel fills behind us
                 await self.wait_settled()
@@ -434,14 +469,14 @@ class Controller:
     def _settle_write(self, job: WriteJob) -> None:
         assert job.handle is not None
         del self._unsettled[id(job)]
+        if job.demote:  # settled either way: nobody may wait for these pages any more
+            self.demoting_pages -= job.num_pages
         if self._record_failure(job.handle):
             return
         for node in job.nodes:
             self.tree.end_write(node, demote=job.demote)
         if self.storage is not None:
             self.storage.queue_backup(job.nodes)
-        if job.demote:
-            self.demoting_pages -= job.num_pages
         self.counters.writes += 1
         self.counters.written_bytes += job.num_pages * self.config.page_bytes
 
