@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import sys
 import textwrap
@@ -24,6 +23,7 @@ from aiohicache.storage.file import FileBackend
 from aiohicache.storage.memory import MemoryBackend
 from tests.conftest import make_config, make_tokens, prefill, read_kv, until
 from tests.storage.redis_server import redis_server, redis_url  # noqa: F401  (fixtures)
+from tests.storage.segment_hooks import corrupt_last_record, swap_keys
 
 L3 = {"prefetch_policy": "wait_complete", "prefetch_threshold": 8, "device_pages": 16,
       "host_pages": 32}
@@ -217,34 +217,18 @@ def test_a_negative_entry_lives_ttl_seconds_and_one_from_the_future_is_expired()
     assert not misses.hit(b"k", 99.0)  # TP's agreed wall clock stepped back: not trusted
 
 
-def flip_last_byte_of_one_page(root: Path) -> None:
-    victim = sorted(p for p in root.rglob("*") if p.is_file())[0]
-    data = bytearray(victim.read_bytes())
-    data[-1] ^= 0xFF
-    victim.write_bytes(bytes(data))
-
-
 async def test_a_corrupt_page_is_a_miss_and_never_served(tmp_path: Path) -> None:
     cfg = make_config(storage=f"file://{tmp_path}", **L3)
     tokens = make_tokens(24)
     async with HiCache(cfg) as first:
         original = await fill_l3(first, tokens)
-    await anyio.to_thread.run_sync(flip_last_byte_of_one_page, tmp_path)
+    await anyio.to_thread.run_sync(corrupt_last_record, tmp_path)
     async with HiCache(cfg) as second:
         kv, from_l3 = await fetch_kv(second, tokens)
         assert from_l3 < 24  # the chain stops at the corrupt page
         assert torch.equal(kv, original[:, :from_l3])
         await second.drain()
         second.check_invariants()
-
-
-def swap_files(a: list[str], b: list[str]) -> None:
-    """Swap the files at `a` with those at `b`, pairwise, as a careless operator might."""
-    for path_a, path_b in zip(a, b, strict=True):
-        spare = f"{path_a}.swap"
-        os.replace(path_a, spare)
-        os.replace(path_b, path_a)
-        os.replace(spare, path_b)
 
 
 async def test_pages_swapped_on_disk_are_a_miss_never_the_other_prefixs_kv(
@@ -255,9 +239,10 @@ async def test_pages_swapped_on_disk_are_a_miss_never_the_other_prefixs_kv(
         kv_a, kv_b = await fill_l3(first, a), await fill_l3(first, b)
         tier = first.storage
         assert tier is not None and isinstance(tier.backend, FileBackend)
-        paths_a, paths_b = ([tier.backend._path(key.hex()) for key in
-                             tier.keys(np.asarray(t), [])] for t in (a, b))
-    await anyio.to_thread.run_sync(swap_files, paths_a, paths_b)
+        keys_a, keys_b = ([key.hex() for key in tier.keys(np.asarray(t), [])]
+                          for t in (a, b))
+    # the index swapped on disk (the file store's journals), as a careless tool might
+    await anyio.to_thread.run_sync(swap_keys, tmp_path, list(zip(keys_a, keys_b, strict=True)))
     async with HiCache(cfg) as second:
         for tokens, kv in ((a, kv_a), (b, kv_b)):
             got, from_l3 = await fetch_kv(second, tokens)
@@ -271,8 +256,7 @@ async def test_pages_swapped_on_disk_are_a_miss_never_the_other_prefixs_kv(
 
 async def test_backups_go_on_after_the_store_directory_is_removed(tmp_path: Path) -> None:
     root = tmp_path / "l3"
-    # fanout 0: every page in the root, a directory the store has made before
-    async with FileBackend(root, page_format(make_config(**L3)), fanout=0) as backend:
+    async with FileBackend(root, page_format(make_config(**L3))) as backend:
         cfg = make_config(storage=backend, **L3)
         async with HiCache(cfg) as first:
             await fill_l3(first, make_tokens(16, seed=1))

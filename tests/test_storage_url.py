@@ -30,7 +30,7 @@ def test_good_urls_pass(url: str) -> None:
     ("file://otherhost/dir", "names host 'otherhost'"),
     ("file://localhost:80/dir", "names host"),
     ("file://", "names no directory"),
-    ("file:///x?a=1", "no query or fragment"),
+    ("file:///x?a=1", "take the options"),
     ("file:///a%00b", "NUL"),
     ("file://[bad/dir", "malformed"),
     ("redis://h:notaport/0", "port 'notaport'"),

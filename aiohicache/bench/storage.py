@@ -54,8 +54,6 @@ class StorageSizes:
     """Section 1: timed runs per case, each paired with the raw file back to back."""
     max_concurrency: int = 4
     """Section 1: the backend's I/O threads (its default)."""
-    fanout: int = 2
-    """Section 1: the backend's directory levels (its default)."""
     hash_tokens: int = 1_000_000
     """Section 2: tokens hashed per run."""
     hash_page_sizes: tuple[int, ...] = (16, 64)
@@ -182,7 +180,7 @@ class _Case:
         Cancellation: the backend closes.
         """
         keys, pages, buffers = self.keys[:num], self.pages[:num], self.buffers[:num]
-        async with FileBackend(root, self.fmt, fsync=self.fsync, fanout=self.sizes.fanout,
+        async with FileBackend(root, self.fmt, fsync=self.fsync,
                                max_concurrency=self.sizes.max_concurrency) as backend:
             batch = self.sizes.batch
             async with LoopLagProbe() as write_lag:
@@ -282,7 +280,7 @@ def format_speed(sizes: StorageSizes, rows: list[SpeedRow], directory: str,
         "1. FileBackend vs one raw sequential file of the same payload bytes, same directory",
         f"   {policy}; reads hit the page cache for both",
         f"   {sizes.run_bytes // _MIB} MiB per run into a fresh store, {sizes.batch} pages per "
-        f"call, {sizes.max_concurrency} I/O threads, fan-out {sizes.fanout}",
+        f"call, {sizes.max_concurrency} I/O threads",
         f"   ratio: median over {sizes.reps} back-to-back pairs of raw time / backend time, "
         f"target >= {_TARGET_RATIO} ('<': a miss)",
         "",

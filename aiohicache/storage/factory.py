@@ -1,10 +1,18 @@
 """`backend_from_url`: a storage backend from a URL (or a backend object, passed through).
 
     backend_from_url("memory://", fmt, capacity_bytes=1 << 30)
+    backend_from_url("memory://?max_bytes=1G", fmt)      # the same budget, in the URL
     backend_from_url("file:///var/cache/kv", fmt, capacity_bytes=200 << 30, fsync=True)
+    backend_from_url("file:///var/cache/kv?max_bytes=200G&fsync=1", fmt)   # the same
     backend_from_url("file:relative/dir", fmt)          # relative to the working directory
     backend_from_url("redis://:pw@host:6379/0", fmt)     # also rediss:// (TLS)
+    backend_from_url("redis+cluster://host1:7000,host2:7001", fmt)   # Redis/Valkey Cluster
     backend_from_url(my_backend, fmt)                    # any StorageBackend, as is
+
+A memory or file URL's query sets its options (`URL_OPTIONS`; sizes take a K/M/G/T suffix,
+powers of 1024), so a store configured by URL alone (``HiCacheConfig(storage=...)``, the
+``--l3`` option) can be bounded. An option given both in the URL and as a keyword argument
+is an error.
 
 `check_url(url)` raises the ConfigError `backend_from_url` would for a malformed URL, building
 nothing: a command line can check its options before it starts anything.
@@ -15,16 +23,26 @@ from __future__ import annotations
 import importlib
 import re
 from typing import Any
-from urllib.parse import SplitResult, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
 from ..errors import ConfigError
 from .base import PageFormat, StorageBackend
 from .file import FileBackend
 from .memory import MemoryBackend
 
-__all__ = ("backend_from_url", "check_url")
+__all__ = ("URL_OPTIONS", "backend_from_url", "check_url", "parse_size")
 
-_SCHEMES = "memory://, file:///abs/dir, file:rel/dir, redis://..., rediss://..."
+_SCHEMES = ("memory://, file:///abs/dir, file:rel/dir, redis://..., rediss://..., "
+            "redis+cluster://host:port,..., rediss+cluster://...")
+_CLUSTER = ("redis+cluster", "rediss+cluster", "valkey+cluster", "valkeys+cluster")
+
+URL_OPTIONS: dict[str, dict[str, str]] = {
+    "memory": {"max_bytes": "capacity_bytes"},
+    "file": {"max_bytes": "capacity_bytes", "fsync": "fsync", "segment_bytes": "segment_bytes",
+             "max_concurrency": "max_concurrency"},
+}
+"""Query options of memory and file URLs: URL name -> backend keyword."""
+_SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def backend_from_url(url: str | StorageBackend, fmt: PageFormat,
@@ -38,11 +56,14 @@ def backend_from_url(url: str | StorageBackend, fmt: PageFormat,
     if isinstance(url, StorageBackend):
         return _passed_through(url, fmt, opts)
     scheme, target = _parse(url)
+    opts = {**opts, **_url_options(url, scheme, opts)}
     if scheme == "memory":
         return _build(MemoryBackend, url, fmt, opts)
     if scheme == "file":
         return _build(FileBackend, url, target, fmt, opts)
-    return _build(_redis_backend(), url, url, fmt, opts)
+    if scheme == "cluster":
+        return _build(_redis_backend("RedisClusterBackend"), url, url, fmt, opts)
+    return _build(_redis_backend("RedisBackend"), url, url, fmt, opts)
 
 
 def check_url(url: str) -> None:
@@ -56,9 +77,57 @@ def check_url(url: str) -> None:
     _parse(url)
 
 
+def parse_size(text: str) -> int:
+    """Bytes from ``"4096"``, ``"64K"``, ``"1.5G"`` (suffixes K/M/G/T are powers of 1024).
+
+    Raises:
+        ConfigError: not a size > 0.
+    """
+    body = text.strip().upper().removesuffix("B").removesuffix("I")
+    suffix = body[-1:] if body[-1:] in _SIZE_SUFFIX else ""
+    try:
+        value = float(body[:len(body) - len(suffix)]) * _SIZE_SUFFIX[suffix]
+    except ValueError:
+        value = -1.0
+    if not (value >= 1 and value == value and value < 2**63):
+        raise ConfigError(f"storage: {text!r} is not a size in bytes (e.g. 4096, 64K, 200G)")
+    return int(value)
+
+
+def _url_options(url: str, scheme: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The backend keywords a memory or file URL's query sets."""
+    if scheme not in URL_OPTIONS:
+        return {}
+    allowed = URL_OPTIONS[scheme]
+    out: dict[str, Any] = {}
+    for name, value in parse_qsl(_split(url).query, keep_blank_values=True,
+                                 strict_parsing=False):
+        if name not in allowed:
+            raise ConfigError(f"storage: {scheme} URLs take the options {sorted(allowed)}, "
+                              f"got {name!r} in {url!r}")
+        keyword = allowed[name]
+        if keyword in out or keyword in given:
+            raise ConfigError(f"storage: option {name!r} is given twice for {url!r}")
+        out[keyword] = _option_value(name, value)
+    return out
+
+
+def _option_value(name: str, value: str) -> Any:
+    if name == "fsync":
+        if value.lower() not in ("0", "1", "true", "false", "yes", "no"):
+            raise ConfigError(f"storage: fsync must be 0/1/true/false, got {value!r}")
+        return value.lower() in ("1", "true", "yes")
+    if name == "max_concurrency":
+        if not value.isdigit():
+            raise ConfigError(f"storage: max_concurrency must be an int, got {value!r}")
+        return int(value)
+    return parse_size(value)
+
+
 def _parse(url: object) -> tuple[str, str]:
-    """``(scheme, target)``: ``("memory", "")``, ``("file", directory)`` or ``("redis", url)``
-    (``rediss`` too). Only syntax is checked: nothing is built, nothing connects."""
+    """``(scheme, target)``: ``("memory", "")``, ``("file", directory)``, ``("redis", url)``
+    (``rediss`` too) or ``("cluster", url)``. Only syntax is checked: nothing is built,
+    nothing connects."""
     if not isinstance(url, str):
         raise ConfigError(f"storage: must be a URL or a StorageBackend, got {url!r}")
     if any(ord(c) < 32 or ord(c) == 127 for c in url):
@@ -69,13 +138,19 @@ def _parse(url: object) -> tuple[str, str]:
                           f"{_SCHEMES}")
     scheme = scheme.lower()
     if scheme == "memory":
-        _check_empty("memory", url, "memory://")
+        _check_empty("memory", url.partition("?")[0], "memory://")
+        _url_options(url, "memory", {})
         return "memory", ""
     if scheme == "file":
-        return "file", _file_path(url)
+        path = _file_path(url)
+        _url_options(url, "file", {})
+        return "file", path
     if scheme in ("redis", "rediss"):
         _check_redis(url)
         return "redis", url
+    if scheme in _CLUSTER:
+        _check_cluster(url)
+        return "cluster", url
     raise ConfigError(f"storage: unknown URL scheme {scheme!r} in {_shown(url)!r}; expected "
                       f"one of {_SCHEMES}")
 
@@ -112,9 +187,8 @@ def _check_empty(scheme: str, url: str, expected: str) -> None:
 
 def _file_path(url: str) -> str:
     parts = _split(url)
-    if parts.query or parts.fragment:
-        raise ConfigError(f"storage: file URLs take no query or fragment (pass options as "
-                          f"keyword arguments), got {url!r}")
+    if parts.fragment:
+        raise ConfigError(f"storage: file URLs take no fragment, got {url!r}")
     if parts.netloc not in ("", "localhost"):
         raise ConfigError(f"storage: file URL {url!r} names host {parts.netloc!r}; use "
                           f"'file:///absolute/dir' or 'file:relative/dir'")
@@ -145,6 +219,24 @@ def _check_redis(url: str) -> None:
         raise ConfigError(f"storage: redis URL {shown!r} takes no fragment ('#...')")
 
 
+def _check_cluster(url: str) -> None:
+    """``redis+cluster://[user:pass@]host:port[,host:port...]``: each seed checked as a
+    redis URL's host and port (no database: a cluster has only database 0)."""
+    parts = _split(url)
+    shown = _shown(url)
+    auth, _, hosts = parts.netloc.rpartition("@")
+    if not hosts:
+        raise ConfigError(f"storage: cluster URL {shown!r} names no node; use "
+                          f"'redis+cluster://host:port,host:port'")
+    for seed in hosts.split(","):
+        _check_redis(f"redis://{auth + '@' if auth else ''}{seed.strip()}")
+    if parts.path not in ("", "/", "/0"):
+        raise ConfigError(f"storage: cluster URL {shown!r} has path {parts.path!r}; a "
+                          f"cluster has only database 0")
+    if parts.fragment:
+        raise ConfigError(f"storage: cluster URL {shown!r} takes no fragment ('#...')")
+
+
 def _split(url: str) -> SplitResult:
     try:
         return urlsplit(url)
@@ -157,7 +249,7 @@ def _shown(url: str) -> str:
     return re.sub(r"//[^/?#]*@", "//***@", url, count=1)
 
 
-def _redis_backend() -> Any:
+def _redis_backend(name: str) -> Any:
     try:
         module = importlib.import_module("aiohicache.storage.redis")
     except ModuleNotFoundError as exc:
@@ -165,4 +257,4 @@ def _redis_backend() -> Any:
             raise
         raise ConfigError("storage: redis URLs need aiohicache.storage.redis, which this "
                           "installation lacks") from None
-    return module.RedisBackend
+    return getattr(module, name)

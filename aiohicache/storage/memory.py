@@ -103,8 +103,10 @@ class MemoryBackend:
         return found
 
     def stats(self) -> BackendStats:
-        """A copy of the counters (`extra`: ``objects``, ``used_bytes``)."""
-        extra = {"objects": len(self._objects), "used_bytes": self._budget.used_bytes}
+        """A copy of the counters (`extra`: ``objects``, ``used_bytes``, ``max_bytes``: the
+        budget, 0 if unbounded)."""
+        extra = {"objects": len(self._objects), "used_bytes": self._budget.used_bytes,
+                 "max_bytes": self._budget.capacity_bytes or 0}
         return replace(self._stats, extra=extra)
 
     async def aclose(self) -> None:

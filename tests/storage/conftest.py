@@ -19,8 +19,9 @@ backend, write one and append it, e.g. for Redis::
 
 Hooks: `corrupt(key)` flips one byte of the stored object; `put_raw(key, blob)` stores
 `blob` as the object, bypassing encoding; `copy_raw(src, dst)` and `rename_raw(src, dst)`
-copy or move the object of `src` over `dst` the storage's own way (file copy and rename,
-Redis ``COPY`` and ``RENAME``), bypassing the backend; `reopen()` opens a second backend
+copy or move the object of `src` over `dst` the storage's own way (journal entries binding
+`dst` to a copy of, or to, the record of `src`; Redis ``COPY`` and ``RENAME``), bypassing the
+backend; `reopen()` opens a second backend
 over the same storage (None where storage does not outlive the instance); `has_capacity` says
 whether the factory honoured `ctx.capacity_bytes` (else the budget tests skip).
 """
@@ -29,13 +30,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import anyio
 import numpy as np
 import pytest
 from redis.asyncio import Redis
@@ -50,8 +52,10 @@ from aiohicache.storage import (
     chain_keys,
     namespace_root,
 )
+from aiohicache.storage._segments import Entry, segment_path
 from aiohicache.storage.redis import RedisBackend
 
+from . import segment_hooks as hooks
 from .redis_server import shared_server
 
 T = TypeVar("T")
@@ -120,44 +124,38 @@ async def file_store(ctx: StoreContext) -> AsyncIterator[Store]:
         return FileBackend(root, ctx.fmt, capacity_bytes=ctx.capacity_bytes)
 
     async with open_file() as backend:
+        # NOTE: a journal entry is what binds a key to a record in the segment layout, so
+        # rename and copy are entries written behind the backend's back (as another process
+        # would); the backend then reads the journals, as it does on any unknown key.
+        def stamp() -> int:
+            return max(time.time_ns(), backend._last_stamp + 1)
+
+        async def changed(fn: Callable[..., None], *args: Any) -> None:
+            await anyio.to_thread.run_sync(fn, *args)
+            await backend._refresh(force=True)
+
         async def corrupt(key: str) -> None:
-            path = Path(backend._path(key))
-            _write_file(path, _flip_last_byte(_read_file(path)))
+            await anyio.to_thread.run_sync(hooks.corrupt_record, root, backend._index[key])
 
         async def put_raw(key: str, blob: bytes) -> None:
-            _write_file(Path(backend._path(key)), blob)
+            await changed(hooks.append_record, root, key, blob, stamp())
 
         async def copy_raw(src: str, dst: str) -> None:
-            _copy_file(Path(backend._path(src)), Path(backend._path(dst)))
+            blob = await anyio.to_thread.run_sync(_record_bytes, root, backend._index[src])
+            await changed(hooks.append_record, root, dst, blob, stamp())
 
         async def rename_raw(src: str, dst: str) -> None:
-            _rename_file(Path(backend._path(src)), Path(backend._path(dst)))
+            entries = hooks.rename_entries(backend._index[src], dst, stamp())
+            await changed(hooks.append_entries, root, entries)
 
         yield Store(backend, corrupt=corrupt, put_raw=put_raw, copy_raw=copy_raw,
                     rename_raw=rename_raw, reopen=open_file)
 
 
-def _read_file(path: Path) -> bytes:  # sync on purpose: a test's tiny file, no loop to spare
-    return path.read_bytes()
-
-
-def _copy_file(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)
-
-
-def _rename_file(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    src.replace(dst)
-
-
-def _write_file(path: Path, blob: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(blob)
-
-
-def _flip_last_byte(blob: bytes) -> bytes:
-    return blob[:-1] + bytes([blob[-1] ^ 0xFF])
+def _record_bytes(root: Path, entry: Entry) -> bytes:
+    with open(segment_path(str(root), entry.seg_id), "rb") as f:
+        f.seek(entry.offset)
+        return f.read(entry.length)
 
 
 @asynccontextmanager

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from aiohicache import ConfigError
-from aiohicache.storage import FileBackend, MemoryBackend, PageFormat, backend_from_url
+from aiohicache.storage import (
+    FileBackend,
+    MemoryBackend,
+    PageFormat,
+    backend_from_url,
+    check_url,
+)
 
 from .conftest import FMT
 
@@ -27,10 +33,38 @@ async def test_memory_url_makes_a_memory_backend_with_the_options() -> None:
     ("file:///var/cache/with%20space", "/var/cache/with space"),
 ])
 async def test_file_url_names_an_absolute_directory(url: str, path: str) -> None:
-    backend = backend_from_url(url, FMT, fanout=1)
+    backend = backend_from_url(url, FMT, segment_bytes=1 << 20)
     assert isinstance(backend, FileBackend)
-    assert (backend.root_dir, backend.fanout) == (path, 1)
+    assert (backend.root_dir, backend.segment_bytes) == (path, 1 << 20)
     await backend.aclose()
+
+
+@pytest.mark.parametrize(("url", "max_bytes"), [
+    ("memory://?max_bytes=4096", 4096), ("file:///var/kv?max_bytes=64K", 64 << 10),
+    ("file:///var/kv?max_bytes=1.5GiB&fsync=1", 3 << 29), ("file:kv?max_bytes=2T", 2 << 40),
+])
+async def test_a_url_query_bounds_the_store(url: str, max_bytes: int) -> None:
+    backend = backend_from_url(url, FMT)
+    assert backend.stats().extra.get("max_bytes", max_bytes) == max_bytes
+    assert f"of {max_bytes}]" in repr(backend)
+    if isinstance(backend, FileBackend):
+        assert backend.fsync == ("fsync=1" in url)
+    await backend.aclose()
+
+
+@pytest.mark.parametrize(("url", "match"), [
+    ("file:///x?a=1", "take the options"), ("memory://?fsync=1", "take the options"),
+    ("file:///x?max_bytes=0", "not a size"), ("file:///x?max_bytes=lots", "not a size"),
+    ("file:///x?fsync=maybe", "fsync"), ("file:///x?max_bytes=1&max_bytes=2", "twice"),
+])
+def test_a_bad_url_option_is_a_config_error(url: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=f"^storage: .*{match}"):
+        check_url(url)
+
+
+def test_an_option_in_the_url_and_as_a_keyword_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="twice"):
+        backend_from_url("memory://?max_bytes=1K", FMT, capacity_bytes=1024)
 
 
 async def test_file_url_without_slashes_is_relative_to_the_working_directory(
@@ -55,7 +89,8 @@ async def test_a_backend_object_is_passed_through() -> None:
 
 @pytest.mark.parametrize("url", [
     "", "memory", "memory://x", "s3://bucket/kv", "file://host/dir", "file://", "file:///x?a=1",
-    "/plain/path", "redis", "redis://host:notaport", "ftp://x",
+    "/plain/path", "redis", "redis://host:notaport", "ftp://x", "redis+cluster://",
+    "redis+cluster://h:1,h:x", "redis+cluster://h:1/2",
 ])
 def test_a_bad_url_raises_config_error_naming_storage(url: str) -> None:
     with pytest.raises(ConfigError, match="^storage"):
@@ -65,8 +100,8 @@ def test_a_bad_url_raises_config_error_naming_storage(url: str) -> None:
 def test_a_bad_option_raises_config_error_naming_the_url() -> None:
     with pytest.raises(ConfigError, match="storage: bad options for 'memory://'"):
         backend_from_url("memory://", FMT, capacity_bytez=1)
-    with pytest.raises(ConfigError, match="^storage: fanout"):
-        backend_from_url("file:///tmp/x", FMT, fanout=9)
+    with pytest.raises(ConfigError, match="^storage: segment_bytes"):
+        backend_from_url("file:///tmp/x", FMT, segment_bytes=0)
 
 
 def test_not_a_url_raises_config_error() -> None:

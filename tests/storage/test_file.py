@@ -1,18 +1,23 @@
-"""`FileBackend` beyond the shared contract: layout on disk, atomic writes, startup, processes.
+"""`FileBackend` beyond the shared contract: segments and journals on disk, crash safety,
+startup, compaction, processes sharing a directory, and I/O errors.
 
-The conformance suite covers what every backend does; these tests pin what only a directory
-of files can get wrong: where objects live, that half-written temp files are never served
-and are cleaned up, that a new instance (or another process) sees what an old one wrote, in
-the same least-recently-used order, and that I/O errors become `StorageError`.
+The conformance suite covers what every backend does; these tests pin what only an
+append-only segment store can get wrong: a record is served only once its journal entry is
+written, a torn record or entry is a miss (never served), a crashed writer leaves only whole
+pages or misses, a new instance (or another process) sees what an old one wrote in the same
+least-recently-used order, and compaction reclaims dead records without losing live ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import gc
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -23,29 +28,39 @@ import anyio
 import pytest
 
 from aiohicache import ConfigError
-from aiohicache.storage import FileBackend, StorageError, decode_page
+from aiohicache.storage import FileBackend, StorageError, decode_page, encode_header
+from aiohicache.storage import _segments as seg
 from aiohicache.storage import file as file_module
 from aiohicache.storage.base import HEADER_SIZE
 from aiohicache.storage.errors import StorageReadError, StorageWriteError
-from aiohicache.storage.file import STALE_TEMP_S
-from aiohicache.storage.file import _scan_dir as scan_dir
 from tests.conftest import until
 
 from .conftest import FMT, PAYLOAD, make_keys, make_page
+from .segment_hooks import append_record, latest_entries
 
 OBJECT = HEADER_SIZE + PAYLOAD
+REPO = Path(__file__).parents[2]
 
 
 def pages(keys: list[str], *, version: int = 0) -> list[memoryview]:
     return [memoryview(make_page(key, version=version)) for key in keys]
 
 
-def files_under(root: Path) -> list[Path]:
-    return sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())
+def names(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
 
 
-def on_disk(backend: FileBackend, keys: list[str]) -> list[bool]:
-    return [os.path.exists(backend._path(key)) for key in keys]
+def with_suffix(root: Path, suffix: str) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.suffix == suffix)
+
+
+def append_bytes(path: Path, data: bytes) -> None:
+    with open(path, "ab") as f:
+        f.write(data)
+
+
+def segment_bytes_on_disk(root: Path) -> int:
+    return sum(p.stat().st_size for p in with_suffix(root, ".seg"))
 
 
 async def read(backend: FileBackend, keys: list[str]) -> list[bytes | None]:
@@ -54,91 +69,182 @@ async def read(backend: FileBackend, keys: list[str]) -> list[bytes | None]:
     return [bytes(b) if hit else None for hit, b in zip(hits, buffers, strict=True)]
 
 
+def record(root: Path, entry: seg.Entry) -> bytes:
+    with open(seg.segment_path(str(root), entry.seg_id), "rb") as f:
+        f.seek(entry.offset)
+        return f.read(entry.length)
+
+
 # ---------------------------------------------------------------------------- layout
 
-@pytest.mark.parametrize("fanout", [0, 1, 2, 4])
-async def test_an_object_lives_under_fanout_directories_named_by_its_key(
-        tmp_path: Path, fanout: int) -> None:
-    key = make_keys(1)[0]
-    async with FileBackend(tmp_path, FMT, fanout=fanout) as backend:
-        await backend.set_from([key], pages([key]))
-    parts = [key[2 * i:2 * i + 2] for i in range(fanout)]
-    assert files_under(tmp_path) == [Path(*parts, key)]
-    blob = (tmp_path / Path(*parts, key)).read_bytes()
-    assert len(blob) == OBJECT
-    assert decode_page(FMT, key, blob) == memoryview(make_page(key))  # header + payload
+async def test_a_batch_is_appended_to_one_segment_and_journaled(tmp_path: Path) -> None:
+    keys = make_keys(40)
+    async with FileBackend(tmp_path, FMT, max_concurrency=1) as backend:
+        assert await backend.set_from(keys, pages(keys)) == [True] * 40
+    [log, segment] = names(tmp_path)
+    assert log.endswith(".log") and segment == log.replace(".log", ".seg")
+    assert (tmp_path / segment).stat().st_size == 40 * OBJECT  # back to back, nothing else
+    assert (tmp_path / log).stat().st_size == 40 * seg.ENTRY_SIZE
+    entries = latest_entries(tmp_path)
+    assert sorted(entries) == sorted(keys)
+    assert [entries[k].offset for k in keys] == [i * OBJECT for i in range(40)]
+    for key in keys:  # each record is the key's whole object
+        assert decode_page(FMT, key, record(tmp_path, entries[key])) == make_page(key)
 
 
-async def test_a_write_leaves_no_temp_file(tmp_path: Path) -> None:
-    keys = make_keys(20)
-    async with FileBackend(tmp_path, FMT, fsync=True) as backend:
-        assert await backend.set_from(keys, pages(keys)) == [True] * 20
-    assert sorted(p.name for p in files_under(tmp_path)) == sorted(keys)
+async def test_segments_roll_at_segment_bytes(tmp_path: Path) -> None:
+    keys = make_keys(10)
+    async with FileBackend(tmp_path, FMT, segment_bytes=4 * OBJECT,
+                           max_concurrency=1) as backend:
+        for key in keys:
+            await backend.set_from([key], pages([key]))
+        assert backend.stats().extra["segments"] == 3
+        assert await read(backend, keys) == [make_page(k) for k in keys]
 
 
-async def test_a_temp_file_is_never_served(tmp_path: Path) -> None:
+# ---------------------------------------------------------------------------- crash safety
+
+async def test_a_record_without_a_journal_entry_is_never_served(tmp_path: Path) -> None:
     key = make_keys(1)[0]
     async with FileBackend(tmp_path, FMT) as backend:
         await backend.set_from([key], pages([key]))
-        path = backend._path(key)
-        os.rename(path, f"{path}.0123456789ab.tmp")  # as a crashed writer leaves it
-        assert await read(backend, [key]) == [None]
-        assert await backend.exists([key]) == 0  # the failed read dropped it from the index
+    # a crash between the record and its entry: the record's bytes, no entry
+    [segment] = with_suffix(tmp_path, ".seg")
+    [other] = make_keys(1, seed=3)
+    append_bytes(segment, encode_header(FMT, other, make_page(other)) + make_page(other))
     async with FileBackend(tmp_path, FMT) as backend:
-        assert await backend.exists([key]) == 0
+        assert await backend.exists([other]) == 0
+        assert await read(backend, [key, other]) == [make_page(key), None]
+
+
+async def test_a_torn_record_is_dropped_at_start_and_never_served(tmp_path: Path) -> None:
+    keys = make_keys(4)
+    async with FileBackend(tmp_path, FMT, max_concurrency=1) as backend:  # one run, in order
+        await backend.set_from(keys, pages(keys))
+    [segment] = with_suffix(tmp_path, ".seg")
+    os.truncate(segment, 3 * OBJECT + OBJECT // 2)  # the last record half written
+    async with FileBackend(tmp_path, FMT) as backend:
+        assert backend.stats().extra["torn_entries"] == 1
+        assert await backend.exists(keys) == 3
+        assert await read(backend, keys) == [*(make_page(k) for k in keys[:3]), None]
+
+
+async def test_a_torn_or_damaged_journal_entry_is_ignored(tmp_path: Path) -> None:
+    keys = make_keys(3)
+    async with FileBackend(tmp_path, FMT, max_concurrency=1) as backend:
+        await backend.set_from(keys, pages(keys))
+    [log] = with_suffix(tmp_path, ".log")
+    data = bytearray(log.read_bytes())
+    data[seg.ENTRY_SIZE + 40] ^= 0x01  # a bit flip in the second entry
+    log.write_bytes(bytes(data) + data[:seg.ENTRY_SIZE // 2])  # and half an entry at the end
+    async with FileBackend(tmp_path, FMT) as backend:
+        assert await read(backend, keys) == [make_page(keys[0]), None, make_page(keys[2])]
+
+
+CRASHING_WRITER = """
+import asyncio, json, sys
+from aiohicache.storage import FileBackend, PageFormat
+from tests.storage.conftest import make_keys, make_page
+
+args = json.loads(sys.argv[1])
+fmt = PageFormat(bytes.fromhex(args["ns"]), bytes.fromhex(args["spec"]), args["payload"])
+
+async def main():
+    async with FileBackend(args["root"], fmt, fsync=args["fsync"]) as backend:
+        for seed in range(10_000):
+            keys = make_keys(64, seed=seed)
+            await backend.set_from(keys, [memoryview(make_page(k)) for k in keys])
+            print(seed, flush=True)
+
+asyncio.run(main())
+"""
+
+
+def _fmt_args(root: Path, **more: Any) -> str:
+    return json.dumps({"root": str(root), "ns": FMT.namespace_id.hex(),
+                       "spec": FMT.spec_id.hex(), "payload": FMT.payload_bytes, **more})
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_a_writer_killed_mid_run_leaves_whole_pages_or_misses(tmp_path: Path,
+                                                              fsync: bool) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", CRASHING_WRITER,
+                             _fmt_args(tmp_path, fsync=fsync)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    for _ in range(3):  # a few batches stored, then SIGKILL mid-run
+        assert proc.stdout.readline(), proc.stderr.read() if proc.stderr else ""
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stdout.close()
+    if proc.stderr is not None:
+        proc.stderr.close()
+
+    async def check() -> None:
+        async with FileBackend(tmp_path, FMT) as backend:
+            keys = [k for s in range(200) for k in make_keys(64, seed=s)]
+            got = await read(backend, keys)
+            served = [page for page in got if page is not None]
+            assert len(served) >= 3 * 64
+            for key, page in zip(keys, got, strict=True):
+                assert page in (None, make_page(key)), f"a torn page served for {key}"
+            assert backend.stats().extra["orphans_removed"] == 0  # its files: a seg, a log
+        # the dead writer's segment is lock-free: the next instance may compact it
+        assert not seg.is_locked(str(with_suffix(tmp_path, ".seg")[0]))
+
+    asyncio.run(check())
 
 
 # ---------------------------------------------------------------------------- startup
 
-async def test_startup_rebuilds_the_index_and_removes_stale_temp_files(tmp_path: Path) -> None:
-    keys = make_keys(5)
-    async with FileBackend(tmp_path, FMT) as first:
-        await first.set_from(keys, pages(keys))
-        leaf = Path(first._path(keys[0])).parent
-    stale = leaf / f"{keys[0]}.aaaaaaaaaaaa.tmp"
-    fresh = leaf / f"{keys[0]}.bbbbbbbbbbbb.tmp"  # maybe another process's write in flight
-    for temp in (stale, fresh):
-        temp.write_bytes(b"half a page")
-    old = time.time() - STALE_TEMP_S - 60
-    os.utime(stale, (old, old))
+async def test_startup_removes_orphans_but_not_a_live_writers_files(tmp_path: Path) -> None:
+    keys = make_keys(2)
+    async with FileBackend(tmp_path, FMT) as backend:
+        await backend.set_from(keys, pages(keys))
+    orphan = tmp_path / f"{1:016x}.seg"  # no journal, no lock: a compaction died mid-removal
+    orphan.write_bytes(b"x" * OBJECT)
+    temp = tmp_path / f"{2:016x}.seg.tmp"  # a writer died creating its segment
+    temp.write_bytes(b"")
+    live = tmp_path / f"{3:016x}.seg"  # another process creating its segment right now
+    live.write_bytes(b"")
     (tmp_path / "README").write_text("not ours")  # foreign files are left alone
-    (leaf / ("f" * 32)).write_bytes(b"x")  # a key name in the wrong directory: not indexed
-
-    async with FileBackend(tmp_path, FMT) as second:
-        assert await second.exists(keys) == 5
-        stats = second.stats()
-        assert stats.extra["objects"] == 5
-        assert stats.extra["used_bytes"] == 5 * OBJECT
-        assert stats.extra["temps_removed"] == 1
-        assert await read(second, keys) == [make_page(k) for k in keys]
-    assert not stale.exists() and fresh.exists()
-    assert (tmp_path / "README").exists()
+    held = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        async with FileBackend(tmp_path, FMT) as backend:
+            assert backend.stats().extra["orphans_removed"] == 2
+            assert await read(backend, keys) == [make_page(k) for k in keys]
+    finally:
+        os.close(held)
+    assert not orphan.exists() and not temp.exists()
+    assert live.exists() and (tmp_path / "README").exists()
 
 
 async def test_a_new_instance_keeps_the_lru_order_and_applies_its_budget(
         tmp_path: Path) -> None:
     keys = make_keys(5)
     async with FileBackend(tmp_path, FMT) as first:
-        await first.set_from(keys[:4], pages(keys[:4]))
-        now = time.time()
-        for age, key in enumerate(keys[:4]):  # written long ago, oldest first
-            os.utime(first._path(key), (now - 100 + age, now - 100 + age))
-        assert await read(first, keys[:1]) == [make_page(keys[0])]  # a read marks it recent
+        for key in keys[:4]:  # oldest first
+            await first.set_from([key], pages([key]))
+        assert await read(first, keys[:1]) == [make_page(keys[0])]  # journaled at close
     async with FileBackend(tmp_path, FMT, capacity_bytes=3 * OBJECT) as second:
-        # over budget at startup: the least recently used object goes
+        # over budget at startup: the least recently used page goes
         assert second.stats().evicted_pages == 1
-        assert on_disk(second, keys) == [True, False, True, True, False]
+        assert await second.exists(keys[1:2]) == 0
         await second.set_from(keys[4:], pages(keys[4:]))  # evicts the next oldest: keys[2]
-        assert on_disk(second, keys) == [True, False, False, True, True]
+        assert [await second.exists([k]) for k in keys] == [1, 0, 0, 1, 1]
+    async with FileBackend(tmp_path, FMT) as third:  # the evictions were journaled
+        assert [await third.exists([k]) for k in keys] == [1, 0, 0, 1, 1]
 
 
 async def test_the_index_is_built_on_first_use_on_an_io_thread(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     scans: list[str] = []
+    real = file_module._scan_dir
 
     def scan(*args: Any) -> Any:
         scans.append(threading.current_thread().name)
-        return scan_dir(*args)
+        return real(*args)
 
     monkeypatch.setattr(file_module, "_scan_dir", scan)
     backend = FileBackend(tmp_path, FMT)
@@ -146,6 +252,43 @@ async def test_the_index_is_built_on_first_use_on_an_io_thread(
     async with backend:
         await backend.exists(make_keys(1))
     assert len(scans) == 1 and scans[0].startswith("aiohicache-file")
+
+
+# ---------------------------------------------------------------------------- compaction
+
+async def test_compaction_reclaims_dead_records_and_keeps_live_ones(tmp_path: Path) -> None:
+    budget = 16 * OBJECT
+    async with FileBackend(tmp_path, FMT, capacity_bytes=budget, segment_bytes=8 * OBJECT,
+                           max_concurrency=1) as backend:
+        for seed in range(20):  # 160 pages through a budget of 16
+            keys = make_keys(8, seed=seed)
+            assert await backend.set_from(keys, pages(keys)) == [True] * 8
+        stats = backend.stats()
+        assert stats.extra["compactions"] >= 1
+        assert stats.extra["used_bytes"] <= budget
+        on_disk = segment_bytes_on_disk(tmp_path)
+        assert on_disk <= 2 * budget + 8 * OBJECT  # dead at most half, plus the active one
+        live = [k for s in range(20) for k in make_keys(8, seed=s)
+                if await backend.exists([k])]
+        assert len(live) == 16
+        assert await read(backend, live) == [make_page(k) for k in live]
+    async with FileBackend(tmp_path, FMT) as again:  # and a new instance sees the same
+        assert await read(again, live) == [make_page(k) for k in live]
+        assert again.stats().extra["objects"] == 16
+
+
+async def test_a_dead_writers_segment_is_compacted_by_another_instance(
+        tmp_path: Path) -> None:
+    keys = make_keys(32)
+    async with FileBackend(tmp_path, FMT) as first:
+        await first.set_from(keys, pages(keys))
+    async with FileBackend(tmp_path, FMT, capacity_bytes=8 * OBJECT) as second:
+        assert second.stats().evicted_pages == 24
+        more = make_keys(1, seed=9)
+        await second.set_from(more, pages(more))  # the old segment is 3/4 dead: compacted
+        assert second.stats().extra["compactions"] == 1
+        kept = keys[:7]  # the first pages of the batch were its most recent
+        assert await read(second, kept + more) == [make_page(k) for k in kept + more]
 
 
 # ---------------------------------------------------------------------------- other processes
@@ -169,33 +312,33 @@ asyncio.run(main())
 
 
 async def write_in_another_process(root: Path, keys: list[str]) -> None:
-    args = json.dumps({"root": str(root), "keys": keys, "ns": FMT.namespace_id.hex(),
-                       "spec": FMT.spec_id.hex(), "payload": FMT.payload_bytes})
-    result = await anyio.run_process([sys.executable, "-c", WRITER, args], check=False,
-                                     cwd=Path(__file__).parents[2])
+    result = await anyio.run_process([sys.executable, "-c", WRITER,
+                                      _fmt_args(root, keys=keys)], check=False, cwd=REPO)
     assert result.returncode == 0, result.stderr.decode()
 
 
-def test_pages_written_by_another_process_are_served(tmp_path: Path) -> None:
+def test_pages_written_by_other_processes_are_served(tmp_path: Path) -> None:
     # NOTE: sync, running its own loop once: a writer process takes a second to start.
-    before, after = make_keys(4, seed=1), make_keys(4, seed=2)
+    before = make_keys(4, seed=1)
+    during = [make_keys(64, seed=s) for s in (2, 3)]
 
     async def scenario() -> None:
         await write_in_another_process(tmp_path, before)
-        async with FileBackend(tmp_path, FMT) as backend:
+        async with FileBackend(tmp_path, FMT, refresh_interval=0) as backend:
             assert await backend.exists(before) == 4  # found by the startup scan
-            await write_in_another_process(tmp_path, after)
-            assert await backend.exists(after) == 4  # not in the index: found on disk
-            assert await read(backend, before + after) == [make_page(k)
-                                                           for k in before + after]
+            async with anyio.create_task_group() as tg:  # two writers at once
+                for keys in during:
+                    tg.start_soon(write_in_another_process, tmp_path, keys)
+            every = before + during[0] + during[1]
+            assert await backend.exists(every) == len(every)  # not indexed: journals read
+            assert await read(backend, every) == [make_page(k) for k in every]
 
     asyncio.run(scenario())
 
 
 # ---------------------------------------------------------------------------- cancellation
 
-async def test_cancelled_writes_leave_whole_objects_no_temps_and_a_true_index(
-        tmp_path: Path) -> None:
+async def test_cancelled_writes_leave_whole_objects_and_a_true_index(tmp_path: Path) -> None:
     keys = make_keys(256)  # 8 runs of 32 pages, 2 at a time
     async with FileBackend(tmp_path, FMT, max_concurrency=2, fsync=True,
                            capacity_bytes=1000 * OBJECT) as backend:
@@ -206,14 +349,12 @@ async def test_cancelled_writes_leave_whole_objects_no_temps_and_a_true_index(
             await task
         written = backend.stats().pages_written
         assert 0 < written < 256
-        on_disk = files_under(tmp_path)
-        assert all(p.name in keys for p in on_disk), "a temp file outlived the cancel"
-        assert len(on_disk) == written
         assert backend.stats().extra["used_bytes"] == written * OBJECT
         assert backend._budget.reserved_bytes == 0
-        for path in on_disk:
-            page = decode_page(FMT, path.name, (tmp_path / path).read_bytes())
-            assert page == memoryview(make_page(path.name))
+    entries = latest_entries(tmp_path)
+    assert len(entries) == written
+    for key, entry in entries.items():
+        assert decode_page(FMT, key, record(tmp_path, entry)) == make_page(key)
 
 
 async def test_a_cancelled_read_fills_whole_pages_or_none_and_nothing_after(
@@ -239,46 +380,55 @@ async def test_a_cancelled_read_fills_whole_pages_or_none_and_nothing_after(
 
 # ---------------------------------------------------------------------------- recovery
 
-@pytest.mark.parametrize("fanout", [0, 2])
-async def test_a_store_directory_removed_while_running_is_made_again(
-        tmp_path: Path, fanout: int) -> None:
+async def test_a_store_directory_removed_while_running_is_made_again(tmp_path: Path) -> None:
     root = tmp_path / "l3"
     keys = make_keys(8)
-    async with FileBackend(root, FMT, fanout=fanout) as backend:
+    async with FileBackend(root, FMT) as backend:
         assert await backend.set_from(keys[:4], pages(keys[:4])) == [True] * 4
         await anyio.to_thread.run_sync(shutil.rmtree, root)
         assert await read(backend, keys[:1]) == [None]  # gone with it: a miss
-        # keys[:4] go where directories were made before, keys[4:] where none were
         assert await backend.set_from(keys, pages(keys, version=1)) == [True] * 8
         assert await read(backend, keys) == [make_page(k, version=1) for k in keys]
-        await anyio.to_thread.run_sync(shutil.rmtree, root)
-        assert await backend.set_from(keys[4:], pages(keys[4:])) == [True] * 4
-        assert await read(backend, keys[4:]) == [make_page(k) for k in keys[4:]]
         assert backend.stats().errors == 0
+    async with FileBackend(root, FMT) as again:  # written to the new directory
+        assert await read(again, keys) == [make_page(k, version=1) for k in keys]
 
 
 # ---------------------------------------------------------------------------- errors
 
-async def test_a_failed_write_raises_after_the_others_are_stored(tmp_path: Path) -> None:
+async def test_a_failed_write_raises_and_stores_nothing_of_its_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     keys = make_keys(4)
-    async with FileBackend(tmp_path, FMT, fanout=1) as backend:
-        (tmp_path / keys[0][:2]).write_bytes(b"")  # a file where keys[0]'s directory goes
-        with pytest.raises(StorageWriteError, match="1 page"):
+    async with FileBackend(tmp_path, FMT) as backend:
+        await backend.exists(keys)
+
+        def full(*args: Any) -> int:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(seg.os, "pwritev", full)
+        with pytest.raises(StorageWriteError, match="4 page.*No space"):
             await backend.set_from(keys, pages(keys))
-        assert backend.stats().errors == 1
-        assert await read(backend, keys[1:]) == [make_page(k) for k in keys[1:]]
+        monkeypatch.undo()
+        assert backend.stats().errors == 4
+        assert await backend.exists(keys) == 0
+        assert await backend.set_from(keys, pages(keys)) == [True] * 4
 
 
-async def test_a_failed_read_raises_and_leaves_its_buffer_alone(tmp_path: Path) -> None:
+async def test_a_failed_read_raises_and_leaves_its_buffer_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     keys = make_keys(2)
     async with FileBackend(tmp_path, FMT) as backend:
-        await backend.set_from(keys[1:], pages(keys[1:]))
-        os.makedirs(backend._path(keys[0]))  # reading it fails: it is a directory
+        await backend.set_from(keys, pages(keys))
+
+        def broken(*args: Any) -> int:
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(seg.os, "preadv", broken)
         buffers = [bytearray(PAYLOAD) for _ in keys]
-        with pytest.raises(StorageReadError):
+        with pytest.raises(StorageReadError, match="Input/output"):
             await backend.get_into(keys, [memoryview(b) for b in buffers])
-        assert buffers[0] == bytearray(PAYLOAD)
-        assert backend.stats().errors == 1
+        assert buffers == [bytearray(PAYLOAD)] * 2
+        assert backend.stats().errors == 2
 
 
 async def test_a_root_that_is_a_file_is_a_storage_error(tmp_path: Path) -> None:
@@ -291,7 +441,9 @@ async def test_a_root_that_is_a_file_is_a_storage_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "name"), [
-    ({"fanout": 5}, "fanout"), ({"fanout": -1}, "fanout"), ({"fanout": True}, "fanout"),
+    ({"segment_bytes": 0}, "segment_bytes"), ({"segment_bytes": 1.5}, "segment_bytes"),
+    ({"compact_dead_fraction": 1.5}, "compact_dead_fraction"),
+    ({"refresh_interval": -1}, "refresh_interval"),
     ({"capacity_bytes": 0}, "capacity_bytes"), ({"capacity_bytes": 1.5}, "capacity_bytes"),
     ({"max_concurrency": 0}, "max_concurrency"), ({"root_dir": 3}, "root_dir"),
 ])
@@ -319,3 +471,10 @@ async def test_repr_shows_objects_and_budget(tmp_path: Path) -> None:
         await backend.set_from(keys, pages(keys))
         assert repr(backend) == (f"<FileBackend {str(tmp_path)!r} [2 objects, {2 * OBJECT} "
                                  f"bytes of {10 * OBJECT}]>")
+        assert backend.stats().extra["max_bytes"] == 10 * OBJECT
+
+
+def test_append_record_hook_is_a_foreign_writer(tmp_path: Path) -> None:
+    [key] = make_keys(1)
+    append_record(tmp_path, key, b"not a page", time.time_ns())
+    assert latest_entries(tmp_path)[key].length == len(b"not a page")
