@@ -1,0 +1,331 @@
+"""Hugging Face transformers adapter: prefill a decoder-only model over a cached prefix.
+
+    adapter = HFAdapter(model, cache)          # cache built with kv_spec(model.config)
+    async with cache.fetch(tokens) as hit:
+        out = await adapter.prefill(hit, tokens)
+        next_token = int(out.logits[0, -1].argmax())
+
+The prefix's KV goes to the model through its own cache API: a `PoolCache` (a
+`transformers.DynamicCache`) whose layer ``i`` is filled from the device pool after
+``await hit.layer_ready(i)``, while the forward pass runs on a worker thread; the KV the model
+computes for the new tokens is written into the slots leased for them, then committed.
+Works for models whose attention layers call ``past_key_values.update(k, v, layer_idx)`` with
+``[batch, kv_heads, seq, head_dim]`` tensors: Llama, Qwen2/3, Mistral and their kin.
+Needs the ``hf`` extra (``pip install aiohicache[hf]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from ._concurrency import finish_then_cancel
+from .api import FetchContext, HiCache
+from .config import KVSpec
+from .errors import ConfigError
+
+__all__ = ("HFAdapter", "PoolCache", "Prefill", "kv_spec", "tiny_llama")
+
+
+def tiny_llama(*, seed: int = 0, vocab_size: int = 32000, hidden_size: int = 128,
+               num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2,
+               max_positions: int = 32768) -> PreTrainedModel:
+    """A small Llama with random weights (seeded), built in-process: nothing is downloaded.
+
+    Float32 on the CPU, in eval mode, SDPA attention. Its outputs are noise, but its compute
+    and KV are a real Llama's, so cache hits and recomputation can be compared exactly.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields: dict[str, Any] = {
+        "vocab_size": vocab_size, "hidden_size": hidden_size,
+        "intermediate_size": hidden_size * 3, "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+        "max_position_embeddings": max_positions, "attn_implementation": "sdpa"}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(LlamaConfig(**fields))
+    model.train(False)
+    return model
+
+
+def kv_spec(config: PretrainedConfig, dtype: torch.dtype | str | None = None) -> KVSpec:
+    """The `KVSpec` of a decoder-only model's attention KV, from its config.
+
+    Args:
+        config: the model's config (``model.config``); reads ``num_hidden_layers``,
+            ``num_key_value_heads`` (default: ``num_attention_heads``) and ``head_dim``
+            (default: ``hidden_size // num_attention_heads``).
+        dtype: the KV dtype; default the config's ``dtype`` (float32 if unset).
+
+    Raises:
+        ConfigError: the config lacks the fields of a decoder-only attention model.
+    """
+    text = config.get_text_config(decoder=True)
+    try:
+        heads = int(text.num_attention_heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+        layers = int(text.num_hidden_layers)
+    except AttributeError as exc:
+        raise ConfigError(f"config: not a decoder-only attention model ({exc})") from None
+    return KVSpec.mha(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                      dtype=dtype or getattr(text, "dtype", None) or torch.float32)
+
+
+def layer_kv(past: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V tensors (``[batch, kv_heads, seq, head_dim]``) of one layer of `past`."""
+    cached = past.layers[layer]
+    assert isinstance(cached, DynamicLayer) and cached.keys is not None \
+        and cached.values is not None, f"layer {layer} of the cache holds no KV: {cached!r}"
+    return cached.keys, cached.values
+
+
+class _LayerGates:
+    """One event per layer, set on the loop once the layer's prefix is on the device, waited
+    on by the forward pass's thread. `abort` releases every waiter with an error."""
+
+    def __init__(self, num_layers: int) -> None:
+        self._events = [threading.Event() for _ in range(num_layers)]
+        self._aborted = False
+
+    def open(self, layer: int) -> None:
+        self._events[layer].set()
+
+    def open_all(self) -> None:
+        for event in self._events:
+            event.set()
+
+    def abort(self) -> None:
+        self._aborted = True
+        self.open_all()
+
+    def wait(self, layer: int) -> None:
+        self._events[layer].wait()
+        if self._aborted:
+            raise _Aborted
+
+
+class _Aborted(Exception):
+    """The request stopped (an error or a cancellation on the loop) mid forward pass."""
+
+
+@dataclass(slots=True)
+class _PoolLink:
+    """Where one prefill reads its prefix and writes its new KV in the device pool."""
+
+    cache: HiCache
+    prefix_slots: torch.Tensor
+    """Slots of the prefix handed to the model (its first ``len`` cached tokens)."""
+    new_slots: torch.Tensor | None
+    """Slots leased for the tokens after the cached prefix (None: nothing new to store)."""
+    skip: int
+    """Computed tokens whose KV is cached already (the last token of a full hit)."""
+    gates: _LayerGates
+
+
+class PoolCache(DynamicCache):
+    """A `DynamicCache` over the device pool for one prefill.
+
+    Each layer starts as a placeholder of the prefix's length (so the model sees the right
+    sequence length and positions before any KV is there). The first ``update`` of layer ``i``
+    waits for that layer's gate, copies the prefix's K/V from the pool into the placeholder,
+    and writes the new tokens' K/V into their leased slots. After `detach` it is a plain
+    `DynamicCache` (decode steps grow it as usual).
+    """
+
+    def __init__(self, config: PretrainedConfig, link: _PoolLink) -> None:
+        n, spec = len(link.prefix_slots), link.cache.config.spec
+        if n:
+            pool = link.cache.device_pool
+            shape = (1, spec.num_kv_heads, n, spec.head_dim)
+            empty = [(torch.empty(shape, dtype=spec.dtype, device=pool.device),
+                      torch.empty(shape, dtype=spec.dtype, device=pool.device))
+                     for _ in range(spec.num_layers)]
+            super().__init__(empty, config=config)
+        else:
+            super().__init__(config=config)
+        self._link: _PoolLink | None = link
+        self._filled = [n == 0] * spec.num_layers
+
+    def detach(self) -> None:
+        """Stop reading from and writing to the pool (the prefill is over)."""
+        self._link = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        link = self._link
+        if link is not None:
+            if not self._filled[layer_idx]:
+                link.gates.wait(layer_idx)
+                self._fill(link, layer_idx)
+            self._store(link, layer_idx, key_states, value_states)
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        return keys, values
+
+    def _fill(self, link: _PoolLink, layer: int) -> None:
+        pool, idx = link.cache.device_pool, link.prefix_slots
+        keys, values = layer_kv(self, layer)
+        keys[0].copy_(pool.k_buffer(layer)[idx].transpose(0, 1))
+        values[0].copy_(pool.v_buffer(layer)[idx].transpose(0, 1))
+        self._filled[layer] = True
+
+    @staticmethod
+    def _store(link: _PoolLink, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if link.new_slots is None:
+            return
+        pool, slots = link.cache.device_pool, link.new_slots
+        pool.k_buffer(layer)[slots] = k[0, :, link.skip:].transpose(0, 1)
+        pool.v_buffer(layer)[slots] = v[0, :, link.skip:].transpose(0, 1)
+
+
+@dataclass(slots=True)
+class Prefill:
+    """What `HFAdapter.prefill` returns."""
+
+    logits: torch.Tensor
+    """``[1, q, vocab]``: the last computed position's logits (``q = 1``), or every computed
+    position's with ``all_logits=True``."""
+    past_key_values: PoolCache
+    """The model's cache for decoding on (detached from the pool)."""
+    num_reused_tokens: int
+    """Prompt tokens whose KV came from the cache (not computed)."""
+    num_prompt_tokens: int
+    tail_slots: torch.Tensor
+    """Slots of the prompt's partial last page (leased to the context, empty if none)."""
+
+
+class HFAdapter:
+    """Runs a transformers causal LM over a `HiCache`'s device pool.
+
+    Args:
+        model: a decoder-only ``PreTrainedModel`` in eval mode, on the cache's device.
+        cache: an open `HiCache` whose spec is ``kv_spec(model.config, model.dtype)``.
+        executor: where forward passes run (default: the loop's default executor). A
+            one-thread executor runs them one at a time, as one accelerator would.
+
+    Raises:
+        ConfigError: the cache's KV spec or device does not fit the model.
+    """
+
+    def __init__(self, model: PreTrainedModel, cache: HiCache, *,
+                 executor: Executor | None = None) -> None:
+        want = kv_spec(model.config, model.dtype)
+        if cache.config.spec != want:
+            raise ConfigError(f"spec: the cache holds {cache.config.spec.fingerprint()}, the "
+                              f"model needs {want.fingerprint()} (use hf.kv_spec(config))")
+        if cache.device_pool.device != model.device:
+            raise ConfigError(f"device: the cache is on {cache.device_pool.device}, the model "
+                              f"on {model.device}")
+        types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+        if types is not None and set(types) != {"full_attention"}:
+            raise ConfigError(f"model: only full-attention layers are supported, the model "
+                              f"has {sorted(set(types))}")
+        self.model = model
+        self.cache = cache
+        self.executor = executor
+
+    async def prefill(self, hit: FetchContext, tokens: Sequence[int], *,
+                      all_logits: bool = False) -> Prefill:
+        """Compute `tokens` past the cached prefix of `hit`, store their KV, commit them.
+
+        The forward pass runs on the executor; layer ``i`` of the prefix is handed to it once
+        ``hit.layer_ready(i)`` returns. A prompt cached whole still computes its last token
+        (for its logits) over the rest.
+
+        Raises:
+            ConfigError: `tokens` are not the fetched tokens.
+            TransferError: loading the prefix failed.
+            CapacityError: no device slots for the new tokens.
+
+        Cancellation: the forward pass is stopped at its next layer and waited for (it writes
+        into leased slots), then the cancellation propagates; nothing is committed.
+        """
+        ids = [int(t) for t in tokens]
+        if len(ids) != len(hit.tokens) or ids != hit.tokens.tolist():
+            raise ConfigError("tokens: must be the tokens the context fetched")
+        cached = hit.num_cached_tokens
+        reuse = min(cached, len(ids) - 1)
+        slots = await hit.allocate(len(ids) - cached) if len(ids) > cached else None
+        link = _PoolLink(self.cache, hit.device_indices[:reuse], slots, cached - reuse,
+                         _LayerGates(self.cache.config.spec.num_layers))
+        past = PoolCache(self.model.config, link)
+        logits = await self._run_gated(hit, link, past, ids[reuse:], all_logits)
+        past.detach()
+        if slots is not None:
+            await hit.commit(ids, slots)
+        tail = len(ids) % self.cache.config.page_size
+        return Prefill(logits, past, reuse, len(ids),
+                       slots[len(slots) - tail:] if slots is not None and tail else
+                       torch.empty(0, dtype=torch.int64))
+
+    async def _run_gated(self, hit: FetchContext, link: _PoolLink, past: PoolCache,
+                         new: list[int], all_logits: bool) -> torch.Tensor:
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self.executor, self._forward, new, past, all_logits)
+        try:
+            if len(link.prefix_slots):
+                for layer in range(self.cache.config.spec.num_layers):
+                    await hit.layer_ready(layer)
+                    link.gates.open(layer)
+            else:
+                link.gates.open_all()
+            return await asyncio.shield(work)  # a cancellation must not mark it done early
+        except BaseException:
+            link.gates.abort()  # the thread writes into our leased slots: let it stop first
+            await finish_then_cancel(asyncio.gather(work, return_exceptions=True))
+            raise
+
+    def _forward(self, new: list[int], past: DynamicCache, all_logits: bool) -> torch.Tensor:
+        ids = torch.tensor([new], dtype=torch.int64, device=self.model.device)
+        with torch.no_grad():
+            out = self.model(input_ids=ids, past_key_values=past, use_cache=True,
+                             logits_to_keep=0 if all_logits else 1)
+        logits: torch.Tensor = out.logits
+        return logits
+
+    async def decode(self, past: DynamicCache, token: int) -> torch.Tensor:
+        """One decode step: feed `token`, return the next position's logits ``[vocab]``.
+
+        Cancellation: the step finishes on its thread (it mutates `past`), then the
+        cancellation propagates.
+        """
+        loop = asyncio.get_running_loop()
+        step = loop.run_in_executor(self.executor, self._forward, [token], past, False)
+        logits = await finish_then_cancel(step)
+        return logits[0, -1]
+
+    async def commit_decoded(self, hit: FetchContext, prefill: Prefill,
+                             tokens: Sequence[int]) -> None:
+        """Store and commit the KV of decoded tokens, so a next turn can hit it.
+
+        Args:
+            hit: the context `prefill` ran in (still open).
+            prefill: its result; its ``past_key_values`` has been decoded on since.
+            tokens: the prompt followed by the tokens fed to the model since (each decoded
+                token but the last, whose KV was never computed).
+
+        Cancellation: as `FetchContext.allocate` and `commit`.
+        """
+        ids = [int(t) for t in tokens]
+        fed = len(ids) - prefill.num_prompt_tokens
+        if fed <= 0:
+            return
+        past = prefill.past_key_values
+        slots = torch.cat([prefill.tail_slots.to(self.cache.device_pool.device),
+                           await hit.allocate(fed)])
+        pool = self.cache.device_pool
+        start = prefill.num_prompt_tokens - len(prefill.tail_slots)
+        for layer in range(len(past.layers)):
+            keys, values = layer_kv(past, layer)
+            pool.k_buffer(layer)[slots] = keys[0, :, start:len(ids)].transpose(0, 1)
+            pool.v_buffer(layer)[slots] = values[0, :, start:len(ids)].transpose(0, 1)
+        await hit.commit(ids, slots)
