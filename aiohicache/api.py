@@ -17,6 +17,7 @@ import logging
 import math
 import time
 import warnings
+import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -143,6 +144,8 @@ class HiCache:
         self._leased = np.zeros(config.device_pages, dtype=np.int64)  # page -> owner, 0 = none
         self._num_leased = 0
         self._pins: dict[int, Node] = {}  # live fetch context (owner id) -> deepest pinned node
+        self._contexts: weakref.WeakValueDictionary[int, FetchContext] = \
+            weakref.WeakValueDictionary()  # owner id -> context, to tell live pins from leaks
         self._counters = _Counters()
         self._calls_crc = 0  # TP: CRC of every fetched token sequence, in agreed order
         self._state: Literal["new", "open", "closing", "closed"] = "new"
@@ -350,10 +353,12 @@ class HiCache:
         """Free those of `pages` still leased to `owner` (the user may have freed some)."""
         self._release_leases(pages[self._leased[pages] == owner], free=True)
 
-    def _pin(self, owner: int, node: Node | None) -> int:
-        """Pin `node` for the context `owner`; a context holds at most one pin."""
+    def _pin(self, ctx: FetchContext, node: Node | None) -> int:
+        """Pin `node` for `ctx`; a context holds at most one pin."""
+        owner = ctx._owner
         if owner in self._pins:
             raise InvariantError(f"fetch context {owner} is pinned already")
+        self._contexts[owner] = ctx
         self.tree.lock(node)
         self._pins[owner] = node if node is not None else self.tree.root
         return owner
@@ -460,6 +465,10 @@ class HiCache:
             raise InvariantError("host pages used by the allocator != tree")
 
     def _check_refs(self) -> None:
+        for owner in self._pins:  # a pin whose context has ended (or is gone) is a leak
+            ctx = self._contexts.get(owner)
+            if ctx is None or (ctx._pin != owner and not ctx._releasing):
+                raise InvariantError(f"a pin outlives its fetch context ({owner})")
         locks: dict[int, int] = {}
         for node in self._pins.values():
             for n in node.path_to_root():
@@ -551,6 +560,7 @@ class FetchContext:
         self._allocated: tuple[torch.Tensor, PageIds, int] | None = None
         self._prefetching: PrefetchJob | None = None  # TP: the prefetch the enter op waits on
         self._entered = False  # a context is entered once: its pin and leases are its own
+        self._releasing = False  # TP: left, its pin is released at the next tick
         self._page_size = cache.config.page_size
 
     def __repr__(self) -> str:
@@ -596,7 +606,7 @@ class FetchContext:
 
     def _plan_load(self, match: Match) -> LoadJob | None:
         cache = self._cache
-        self._pin = cache._pin(self._owner, match.last_device_node)
+        self._pin = cache._pin(self, match.last_device_node)
         job = cache.controller.plan_load(match)
         self._adopt(match, job)
         return job
@@ -697,6 +707,7 @@ class FetchContext:
             return
         pin, self._pin = self._pin, None
         leases, self._leases = self._leases, []
+        self._releasing = pin is not None  # the pin goes at the next tick
         tp.post(lambda op: self._cache._release_context(pin, leases, self._owner))
 
     def _release_now(self) -> None:

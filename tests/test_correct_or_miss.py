@@ -20,6 +20,7 @@ from aiohicache import (
     ConfigError,
     FetchContext,
     HiCache,
+    InvariantError,
     PageError,
     WorkerError,
 )
@@ -83,7 +84,7 @@ async def test_allocate_after_the_partial_page_was_freed_starts_a_fresh_page() -
         async with cache.fetch(make_tokens(6)) as hit:
             first = await hit.allocate(2)  # half a page: the next allocate would continue it
             cache.free(first)
-            others = await cache.allocate(cache.device_pool.num_slots)  # every page, the freed one too
+            others = await cache.allocate(cache.device_pool.num_slots)  # the freed page too
             cache.free(others[-PS:])  # leave exactly one free page
             second = await hit.allocate(2)
             assert not pages_of(second) & pages_of(others[:-PS]), "slots in another's page"
@@ -212,8 +213,12 @@ async def test_a_context_holds_one_pin_and_the_check_counts_them() -> None:
     cache = make_cache()
     async with cache:
         async with cache.fetch(make_tokens(8)) as hit:
-            with pytest.raises(Exception, match="pinned already"):
-                cache._pin(hit._owner, None)
+            with pytest.raises(InvariantError, match="pinned already"):
+                cache._pin(hit, None)
+            hit._pin = None  # as if the context had forgotten its pin: a leak
+            with pytest.raises(InvariantError, match="outlives"):
+                cache.check_invariants()
+            hit._pin = hit._owner
         cache.check_invariants()
 
 
