@@ -27,6 +27,7 @@ from .replay.runner import (
     MODELS,
     ReplayConfig,
     ReplayResult,
+    eviction_tiers,
     parse_capacity,
     sweep_configs,
 )
@@ -81,6 +82,17 @@ def _int_list(lo: int, hi: int) -> Callable[[click.Context, click.Parameter, str
             raise click.BadParameter(f"ints in {lo}..{hi}, got {text!r}")
         return values
     return parse
+
+
+def _evictions(ctx: click.Context, param: click.Parameter, text: str) -> list[str]:
+    """Callback of ``replay --eviction``: policies (or L1:L2 pairs), comma-separated."""
+    items = _comma_list(ctx, param, text) or []
+    for item in items:
+        try:
+            eviction_tiers(item)
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc).removeprefix("eviction: ")) from None
+    return items
 
 
 def _l3_url(ctx: click.Context, param: click.Parameter, text: str) -> str:
@@ -236,7 +248,9 @@ _POLICIES = ("write_through", "write_through_selective", "write_back")
               help="Tokens per page (L3 stores one object per page).")
 @click.option("--write-policy", type=click.Choice(_POLICIES), default="write_through",
               show_default=True)
-@click.option("--eviction", type=click.Choice(["lru", "lfu"]), default="lru", show_default=True)
+@click.option("--eviction", default="lru", show_default=True, callback=_evictions,
+              help="Eviction policy: lru, lfu, arc, or opt (Belady's offline optimum); "
+                   "L1:L2 for one per tier (arc:lru); comma-separated to compare policies.")
 @click.option("--host-layout", type=click.Choice(["page_first", "layer_first"]),
               default="page_first", show_default=True)
 @click.option("--time", "time_mode", type=click.Choice(["fast", "timestamps"]), default="fast",
@@ -258,7 +272,7 @@ _POLICIES = ("write_through", "write_through_selective", "write_back")
 def replay(trace: str, limit: int | None, model: str, layers: int | None,
            kv_heads: int | None, head_dim: int | None, dtype: str, kv_scale: int, l1: str,
            l2: str, l3: str, prefetch_policy: str, page_size: int, write_policy: str,
-           eviction: str, host_layout: str,
+           eviction: list[str], host_layout: str,
            time_mode: str, speedup: float, concurrency: int, settle: bool,
            sweep: list[str] | None,
            plot: str | None, as_json: bool, no_progress: bool, loop: str) -> None:
@@ -266,6 +280,7 @@ def replay(trace: str, limit: int | None, model: str, layers: int | None,
 
     TRACE is "mooncake" (a bundled 2,000-request slice of the Mooncake conversation trace),
     "synthetic", a Mooncake-format .jsonl file, or a kv-cache-tester .jsonl.gz file.
+    Several --eviction policies replay one after another and print side by side.
     """
     try:
         spec = _replay_spec(model, layers, kv_heads, head_dim, dtype)
@@ -275,13 +290,13 @@ def replay(trace: str, limit: int | None, model: str, layers: int | None,
                                          field_name="l1"),
             host_tokens=parse_capacity(l2, bytes_per_token=spec.bytes_per_token,
                                        field_name="l2"),
-            write_policy=write_policy, eviction=eviction,  # type: ignore[arg-type]
+            write_policy=write_policy, eviction=eviction[0],  # type: ignore[arg-type]
             host_layout=host_layout, time_mode=time_mode,  # type: ignore[arg-type]
             speedup=speedup, concurrency=concurrency, settle=settle,
             storage=None if l3 == "none" else l3,
             prefetch_policy=prefetch_policy)  # type: ignore[arg-type]
-        configs = [base] if sweep is None else sweep_configs(
-            base, _sweep_tokens(sweep, spec.bytes_per_token))
+        configs = sweep_configs(base, [base.device_tokens] if sweep is None else
+                                _sweep_tokens(sweep, spec.bytes_per_token), eviction)
         requests = load_trace(trace, limit=limit)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
@@ -290,7 +305,7 @@ def replay(trace: str, limit: int | None, model: str, layers: int | None,
                    for c in configs]
     except ConfigError as exc:  # e.g. a pool larger than the machine: device_pages from --l1
         raise click.UsageError(str(exc)) from exc
-    _print_replay(results, trace, as_json=as_json, swept=sweep is not None)
+    _print_replay(results, trace, as_json=as_json, swept=sweep is not None or len(eviction) > 1)
     if plot is not None:
         plot_sweep(results, plot, title=f"aiohicache replay: {trace}")
         if not as_json:
@@ -320,7 +335,7 @@ def _replay_spec(model: str, layers: int | None, kv_heads: int | None,
 def _replay_one(config: ReplayConfig, requests: list[Request], loop: str, *,
                 progress: bool) -> ReplayResult:
     with tqdm(total=len(requests), unit="req", disable=not progress, leave=False,
-              desc=f"replay L1={config.device_tokens:,} tokens") as bar, \
+              desc=f"replay {config.eviction} L1={config.device_tokens:,} tokens") as bar, \
             asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
 
         def advance(n: int) -> None:
@@ -337,7 +352,9 @@ def _print_replay(results: list[ReplayResult], trace: str, *, as_json: bool,
     for r in results if not swept else results[:0]:
         click.echo(format_result(r, title=f"aiohicache replay: {trace}"))
     if swept:
-        click.echo(f"aiohicache replay: {trace}, hit ratio vs L1 capacity\n")
+        click.echo(f"aiohicache replay: {trace}, hit ratio vs L1 capacity and eviction\n"
+                   if len({r.eviction for r in results}) > 1 else
+                   f"aiohicache replay: {trace}, hit ratio vs L1 capacity\n")
         click.echo(format_sweep(results))
 
 

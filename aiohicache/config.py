@@ -20,7 +20,7 @@ __all__ = ("HiCacheConfig", "KVSpec", "parse_dtype")
 HostLayout = Literal["layer_first", "page_first"]
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 IOBackend = Literal["auto", "cpu", "kernel", "direct"]
-Eviction = Literal["lru", "lfu"]
+Eviction = Literal["lru", "lfu", "arc"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -207,8 +207,11 @@ class HiCacheConfig:
     """Transfer engine: ``cpu`` on CPU; ``kernel`` or ``direct`` on CUDA; ``auto`` chooses."""
     transfer_ctas: int = 4
     """CUDA ``kernel`` backend: CTAs one copy may use, i.e. the SMs taken from the forward pass."""
-    eviction: Eviction = "lru"
-    """Order in which unpinned leaves leave a tier: least recently or least frequently used."""
+    eviction: Eviction | tuple[Eviction, Eviction] = "lru"
+    """Order in which unpinned leaves leave a tier: least recently used (``lru``), least
+    frequently used (``lfu``), or ``arc``, which learns how much room pages hit only once
+    deserve beside pages hit again (docs/eviction.md). One name for both tiers, or a pair
+    ``(L1, L2)``, e.g. ``("arc", "lru")``."""
     namespace: str = "default"
     """Model identity; part of every storage key so different models never share pages."""
     max_inflight_loads: int = 64
@@ -278,7 +281,7 @@ class HiCacheConfig:
             raise ConfigError("io_backend: 'cpu' copies CPU pools only; with a CUDA device "
                               "use 'kernel', 'direct' or 'auto'")
         _positive_int("transfer_ctas", self.transfer_ctas, upper=1024)
-        _choice("eviction", self.eviction, ("lru", "lfu"))
+        self._check_eviction()
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"namespace: must be a non-empty str, got {self.namespace!r}")
         _positive_int("max_inflight_loads", self.max_inflight_loads)
@@ -288,6 +291,16 @@ class HiCacheConfig:
                 self.max_worker_restarts, int) or self.max_worker_restarts < 0:
             raise ConfigError(
                 f"max_worker_restarts: must be an int >= 0, got {self.max_worker_restarts!r}")
+
+    def _check_eviction(self) -> None:
+        tiers = self.eviction if isinstance(self.eviction, tuple) else (self.eviction,)
+        if "opt" in tiers:
+            raise ConfigError("eviction: 'opt' (Belady) needs the future; only a replay has it "
+                              "(aiohicache replay --eviction opt)")
+        if len(tiers) not in (1, 2):
+            raise ConfigError(f"eviction: a name or a pair (L1, L2), got {self.eviction!r}")
+        for name in tiers:
+            _choice("eviction", name, ("lru", "lfu", "arc"))
 
     def _check_storage(self) -> None:
         if isinstance(self.storage, str):

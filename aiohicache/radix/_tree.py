@@ -8,11 +8,9 @@ event loop calls the tree, so it takes no lock (design rule 1).
 from __future__ import annotations
 
 import hashlib
-import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -20,12 +18,12 @@ import numpy.typing as npt
 from ..errors import InvariantError
 from ..memory import PageAllocator, PageIds
 from ._node import DeviceState, HostState, Node, PendingOp
+from ._policy import EvictionPolicy, PolicyName, make_policy
 
 __all__ = ("Eviction", "InsertResult", "Match", "RadixTree")
 
 Tokens = npt.NDArray[np.int64]
 """Token ids as a 1-D int64 array: compared in bulk without copies (slices are views)."""
-_HeapEntry = tuple[tuple[int, ...], int, Node]
 
 
 @dataclass(slots=True)
@@ -90,14 +88,17 @@ class Eviction:
 class RadixTree:
     """A page-granular radix tree whose nodes record device and host residency.
 
-    Eviction order: a lazy min-heap per tier keyed by ``(last_access, id)`` (LRU) or
-    ``(hit_count, last_access, id)`` (LFU). Entries go stale when a node's key changes or it
-    stops being a candidate; `_pop_candidate` discards those, and the heap is rebuilt when
-    stale entries outnumber live nodes. Push and pop are O(log n); nothing scans the tree.
+    Eviction order: each tier has an `EvictionPolicy` (``eviction`` names one for both
+    tiers, or a pair: device, host) that keeps its candidates in lazy min-heaps, e.g. keyed
+    by ``(last_access, id)`` (LRU) or ``(hit_count, last_access, id)`` (LFU). Entries go stale
+    when a node's key changes or it stops being a candidate; the policy's `pop` discards
+    those, and the heaps are rebuilt when stale entries outnumber live nodes. Push and pop
+    are O(log n); nothing scans the tree.
     """
 
     def __init__(self, *, page_size: int, device_alloc: PageAllocator,
-                 host_alloc: PageAllocator, eviction: Literal["lru", "lfu"] = "lru") -> None:
+                 host_alloc: PageAllocator,
+                 eviction: PolicyName | tuple[PolicyName, PolicyName] = "lru") -> None:
         self.page_size = page_size
         self.device_alloc = device_alloc
         self.host_alloc = host_alloc
@@ -108,11 +109,12 @@ class RadixTree:
         self.on_split: list[Callable[[Node, Node], None]] = []
         """Called as ``hook(node, upper)`` when a node holding host refs is split."""
         self._num_nodes = 0
-        self._evict_key: Callable[[Node], tuple[int, ...]] = (
-            (lambda n: (n.last_access, n.id)) if eviction == "lru"
-            else (lambda n: (n.hit_count, n.last_access, n.id)))
-        self._device_heap: list[_HeapEntry] = []
-        self._host_heap: list[_HeapEntry] = []
+        device, host = (eviction, eviction) if isinstance(eviction, str) else eviction
+        self.device_policy = make_policy(device, capacity=device_alloc.capacity,
+                                         page_size=page_size)
+        self.host_policy = make_policy(host, capacity=host_alloc.capacity, page_size=page_size)
+        self._counting = self._learning = False
+        self._policies_changed()
         self.device_evicted_pages = 0
         self.host_evicted_pages = 0
         self.device_eviction_order: list[int] | None = None  # node ids, when tracing
@@ -145,12 +147,24 @@ class RadixTree:
             path.append(child)
             pos += len(child.key)
             node = child
-        if touch:
-            self._touch(path, hit=True)
         num_device = 0
         while num_device < len(path) and path[num_device].on_device:
             num_device += 1
+        if touch:
+            self._touch(path, hit=True)
+            if self._learning:
+                self._tell_misses(tokens, path, num_device)
         return Match(path, num_device, self.page_size)
+
+    def _tell_misses(self, tokens: Tokens, path: list[Node], num_device: int) -> None:
+        """Show each tier's policy the pages it lacked: after the device part of the match
+        (device), after the whole match (host)."""
+        pos = 0
+        for i, (policy, end) in enumerate(((self.device_policy, num_device),
+                                           (self.host_policy, len(path)))):
+            pos += sum(len(n.key) for n in path[num_device if i else 0:end])
+            if policy.learns_from_misses:
+                policy.on_miss(path[end - 1] if end else self.root, tokens, pos)
 
     def _step(self, node: Node, tokens: Tokens, pos: int) -> Node | None:
         """The child of `node` that matches `tokens` from `pos`, split to the matching pages
@@ -173,7 +187,7 @@ class RadixTree:
         for node in nodes:
             node.last_access = self._clock
             if hit:
-                node.hit_count += 1
+                self._count_hit(node)
         for node in nodes:
             self._offer(node)
 
@@ -206,7 +220,7 @@ class RadixTree:
             node = leaf
         res.last_node = node if node is not self.root else None
         for new in res.new_nodes:
-            new.hit_count += 1
+            self._count_hit(new)
         self._touch(node.path_to_root()[::-1], hit=False)
         return res
 
@@ -296,8 +310,24 @@ class RadixTree:
 
     # ------------------------------------------------------------------ state changes
 
+    def _count_hit(self, node: Node) -> None:
+        if self._counting:  # the node may change class: its pages leave, then join again
+            self._account(node, -1)
+            node.hit_count += 1
+            self._account(node, 1)
+        else:
+            node.hit_count += 1
+
+    def _account(self, node: Node, sign: int) -> None:
+        if node.device_pages is not None:
+            self.device_policy.on_resident(node, sign * len(node.device_pages))
+        if node.host_pages is not None:
+            self.host_policy.on_resident(node, sign * len(node.host_pages))
+
     def _set_device(self, node: Node, pages: PageIds | None, state: DeviceState) -> None:
         was = node.on_device
+        if self._counting:
+            self.device_policy.on_resident(node, _num(pages) - _num(node.device_pages))
         node.device_pages, node.device_state = pages, state
         assert (pages is None) == (state is DeviceState.ABSENT)
         if node.parent is not None and was != node.on_device:
@@ -307,6 +337,8 @@ class RadixTree:
 
     def _set_host(self, node: Node, pages: PageIds | None, state: HostState) -> None:
         was = node.on_host
+        if self._counting:
+            self.host_policy.on_resident(node, _num(pages) - _num(node.host_pages))
         node.host_pages, node.host_state = pages, state
         assert (pages is None) == (state is HostState.ABSENT)
         if node.parent is not None and was != node.on_host:
@@ -416,11 +448,12 @@ class RadixTree:
         out = Eviction()
         staged = 0
         while out.freed_pages + staged < num_pages:
-            node = self._pop_candidate(self._device_heap, self._device_candidate)
+            node = self.device_policy.pop(self._device_candidate)
             if node is None:
                 break
             if write_back is None or not self._stageable(node):
-                self._trim(node, num_pages - out.freed_pages - staged)
+                self._trim(node, min(num_pages - out.freed_pages - staged,
+                                     self.device_policy.tail_run(node)))
             if self.device_eviction_order is not None:
                 self.device_eviction_order.append(node.id)
             if write_back is not None and self._stage_write_back(node, write_back):
@@ -432,7 +465,7 @@ class RadixTree:
 
     def _trim(self, node: Node, need: int) -> None:
         """Evict page-granular: leave only the last `need` pages in `node` (its head splits
-        off as the parent, next in line with the same recency)."""
+        off as the parent, a candidate with the same recency and hits)."""
         if 0 < need < node.num_pages:
             self._split(node, node.num_pages - need)
 
@@ -448,6 +481,7 @@ class RadixTree:
     def _evict_device_node(self, node: Node, *, out: Eviction) -> None:
         pages = node.device_pages
         assert pages is not None
+        self.device_policy.on_evict(node)
         self.device_alloc.free(pages)
         self.device_evicted_pages += len(pages)
         out.freed_pages += len(pages)
@@ -459,11 +493,12 @@ class RadixTree:
         """Free `num_pages` host pages from host-only leaves, LRU first, page-granular."""
         freed = 0
         while freed < num_pages:
-            node = self._pop_candidate(self._host_heap, self._host_candidate)
+            node = self.host_policy.pop(self._host_candidate)
             if node is None:
                 break
-            self._trim(node, num_pages - freed)
+            self._trim(node, min(num_pages - freed, self.host_policy.tail_run(node)))
             assert node.host_pages is not None
+            self.host_policy.on_evict(node)
             self.host_alloc.free(node.host_pages)
             freed += len(node.host_pages)
             self.host_evicted_pages += len(node.host_pages)
@@ -490,32 +525,41 @@ class RadixTree:
                 and not node.children and node.host_ref == 0 and node.parent is not None)
 
     def _offer(self, node: Node) -> None:
-        """Push `node` on the eviction heap(s) it is now a candidate for."""
+        """Queue `node` with the policy of each tier it is now an eviction candidate of."""
         if node.parent is None:
             return
         if self._device_candidate(node):
-            heapq.heappush(self._device_heap, (self._evict_key(node), node.id, node))
+            self.device_policy.push(node)
         if self._host_candidate(node):
-            heapq.heappush(self._host_heap, (self._evict_key(node), node.id, node))
-        if len(self._device_heap) + len(self._host_heap) > 4 * self._num_nodes + 1024:
+            self.host_policy.push(node)
+        if (self.device_policy.num_entries + self.host_policy.num_entries
+                > 4 * self._num_nodes + 1024):
             self._compact()
-
-    def _pop_candidate(self, heap: list[_HeapEntry],
-                       is_candidate: Callable[[Node], bool]) -> Node | None:
-        while heap:
-            key, _, node = heapq.heappop(heap)
-            if is_candidate(node) and key == self._evict_key(node):
-                return node
-        return None
 
     def _compact(self) -> None:
         nodes = list(self.iter_nodes())
-        self._device_heap = [(self._evict_key(n), n.id, n) for n in nodes
-                             if self._device_candidate(n)]
-        self._host_heap = [(self._evict_key(n), n.id, n) for n in nodes
-                           if self._host_candidate(n)]
-        heapq.heapify(self._device_heap)
-        heapq.heapify(self._host_heap)
+        self.device_policy.rebuild(n for n in nodes if self._device_candidate(n))
+        self.host_policy.rebuild(n for n in nodes if self._host_candidate(n))
+
+    def set_policies(self, *, device: EvictionPolicy | None = None,
+                     host: EvictionPolicy | None = None) -> None:
+        """Replace a tier's eviction policy (e.g. with `Belady`, which no name builds).
+
+        The new policy learns what the tier holds and queues its candidates: O(n), once.
+        """
+        self.device_policy = device or self.device_policy
+        self.host_policy = host or self.host_policy
+        self._policies_changed()
+        for policy, pages in ((device, "device_pages"), (host, "host_pages")):
+            if policy is not None and policy.counts_pages:
+                for node in self.iter_nodes():
+                    policy.on_resident(node, _num(getattr(node, pages)))
+        self._compact()
+
+    def _policies_changed(self) -> None:
+        policies = (self.device_policy, self.host_policy)
+        self._counting = any(p.counts_pages for p in policies)
+        self._learning = any(p.learns_from_misses for p in policies)
 
     # ------------------------------------------------------------------ checks
 
@@ -548,12 +592,15 @@ class RadixTree:
             _claim(seen_host, node.host_pages, f"host pages of {node!r}")
         if count != self._num_nodes:
             raise InvariantError(f"node count {self._num_nodes} but {count} reachable")
-        for heap, pred in ((self._device_heap, self._device_candidate),
-                           (self._host_heap, self._host_candidate)):
-            queued = {n.id for k, _, n in heap if k == self._evict_key(n)}
+        for policy, pred, tier in ((self.device_policy, self._device_candidate, "on_device"),
+                                   (self.host_policy, self._host_candidate, "on_host")):
+            queued = policy.queued()
             for node in self.iter_nodes():
                 if pred(node) and node.id not in queued:
                     raise InvariantError(f"eviction candidate {node!r} is not queued")
+            problem = policy.problem(n for n in self.iter_nodes() if getattr(n, tier))
+            if problem:
+                raise InvariantError(problem)
 
     def _check_node(self, node: Node) -> None:
         problem = self._node_problem(node)
@@ -611,6 +658,10 @@ def _claim(seen: set[int], pages: PageIds | None, what: str) -> None:
     if len(ids) != len(pages) or ids & seen:
         raise InvariantError(f"{what} are referenced twice")
     seen |= ids
+
+
+def _num(pages: PageIds | None) -> int:
+    return 0 if pages is None else len(pages)
 
 
 def _page_bytes(pages: PageIds | None) -> bytes:

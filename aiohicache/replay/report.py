@@ -10,7 +10,8 @@ from pathlib import Path
 from ..errors import ConfigError
 from .runner import ReplayResult
 
-__all__ = ("format_result", "format_sweep", "plot_sweep", "result_to_dict", "to_json")
+__all__ = ("format_policies", "format_result", "format_sweep", "plot_sweep", "result_to_dict",
+           "to_json")
 
 
 def _tokens(n: int) -> str:
@@ -79,17 +80,61 @@ def to_json(results: Sequence[ReplayResult]) -> str:
 
 
 def format_sweep(results: Sequence[ReplayResult]) -> str:
-    """The hit-ratio curve over L1 capacity, one line per replay."""
-    lines = ["  L1 tokens   L2 tokens   L1 hit   L2 hit   L3 hit   hit ratio   requests/s",
-             "  ---------   ---------   ------   ------   ------   ---------   ----------"]
+    """The hit-ratio curve over L1 capacity, one line per replay; with several eviction
+    policies, a first column names each line's and `format_policies` follows."""
+    policies = _policies(results)
+    width = max(len("eviction"), *map(len, policies)) if len(policies) > 1 else 0
+
+    def lead(text: str) -> str:
+        return f"  {text:<{width}} " if width else "  "
+
+    lines = [lead("eviction") + "L1 tokens   L2 tokens   L1 hit   L2 hit   L3 hit   hit ratio"
+             "   requests/s",
+             lead("-" * 8) + "---------   ---------   ------   ------   ------   ---------"
+             "   ----------"]
     for r in results:
         l1 = r.l1_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
         l2 = r.l2_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
         l3 = r.l3_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
-        lines.append(f"  {_tokens(r.device_tokens):>9}   {_tokens(r.host_tokens):>9}   "
-                     f"{l1:6.4f}   {l2:6.4f}   {l3:6.4f}   {r.hit_ratio:9.4f}   "
-                     f"{r.requests_per_second:10,.0f}")
+        lines.append(lead(r.eviction) + f"{_tokens(r.device_tokens):>9}   "
+                     f"{_tokens(r.host_tokens):>9}   {l1:6.4f}   {l2:6.4f}   {l3:6.4f}   "
+                     f"{r.hit_ratio:9.4f}   {r.requests_per_second:10,.0f}")
+    if len(policies) > 1:
+        lines += ["", format_policies(results)]
     return "\n".join(lines)
+
+
+def _policies(results: Sequence[ReplayResult]) -> list[str]:
+    return list(dict.fromkeys(r.eviction for r in results))
+
+
+def format_policies(results: Sequence[ReplayResult]) -> str:
+    """Hit ratio by L1 capacity (rows) and eviction policy (columns); with ``lru`` and
+    ``opt`` among them, each other policy's share of the LRU -> OPT gap it closes."""
+    policies = _policies(results)
+    by = {(r.eviction, r.device_tokens): r.hit_ratio for r in results}
+    capacities = list(dict.fromkeys(r.device_tokens for r in results))
+    judged = [p for p in policies if p not in ("lru", "opt")] \
+        if {"lru", "opt"} <= set(policies) else []
+    width = max(9, *map(len, policies))
+    lines = ["  L1 tokens" + "".join(f"   {p:>{width}}" for p in policies)
+             + "".join(f"   {p + ' closes':>{width + 7}}" for p in judged)]
+    lines.append("  " + "-" * (len(lines[0]) - 2))
+    for n in capacities:
+        cells = "".join(f"   {by[p, n]:>{width}.4f}" if (p, n) in by else f"   {'-':>{width}}"
+                        for p in policies)
+        lines.append(f"  {_tokens(n):>9}{cells}"
+                     + "".join(f"   {_closed(by, p, n):>{width + 7}}" for p in judged))
+    return "\n".join(lines)
+
+
+def _closed(by: dict[tuple[str, int], float], policy: str, n: int) -> str:
+    """The share of the LRU -> OPT gap at capacity `n` that `policy` closes."""
+    try:
+        lru, opt, hit = by["lru", n], by["opt", n], by[policy, n]
+    except KeyError:
+        return "-"
+    return f"{100 * (hit - lru) / (opt - lru):.1f} %" if opt - lru > 1e-9 else "-"
 
 
 def plot_sweep(results: Sequence[ReplayResult], path: str | Path, *, title: str = "") -> None:
@@ -104,11 +149,18 @@ def plot_sweep(results: Sequence[ReplayResult], path: str | Path, *, title: str 
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ConfigError("plot: needs matplotlib (pip install 'aiohicache[plot]')") from exc
-    xs = [r.device_tokens for r in results]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(xs, [r.hit_ratio for r in results], marker="o", label="L1 + L2 hit ratio")
-    ax.plot(xs, [r.l1_tokens / max(1, r.prompt_tokens) for r in results], marker=".",
-            linestyle="--", label="L1 hit ratio")
+    policies = _policies(results)
+    for policy in policies:
+        mine = [r for r in results if r.eviction == policy]
+        xs = [r.device_tokens for r in mine]
+        label = f"{policy}: " if len(policies) > 1 else ""
+        line, = ax.plot(xs, [r.hit_ratio for r in mine], marker="o",
+                        label=f"{label}L1 + L2 hit ratio" if mine[0].host_tokens else
+                        f"{label}hit ratio")
+        if mine[0].host_tokens:
+            ax.plot(xs, [r.l1_tokens / max(1, r.prompt_tokens) for r in mine], marker=".",
+                    linestyle="--", color=line.get_color(), label=f"{label}L1 hit ratio")
     ax.set_xscale("log")
     ax.set_xlabel("L1 capacity (tokens)")
     ax.set_ylabel("token hit ratio")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import re
 import tempfile
@@ -24,9 +25,16 @@ from .._lagprobe import LagSummary, LoopLagProbe
 from ..api import HiCache
 from ..config import HiCacheConfig, KVSpec
 from ..errors import CapacityError, ConfigError
+from ..radix import Belady
+from .belady import FutureUses
 from .traces import Request
 
-__all__ = ("MODELS", "ReplayConfig", "ReplayResult", "parse_capacity", "replay", "scaled_spec")
+__all__ = ("EVICTIONS", "MODELS", "ReplayConfig", "ReplayResult", "eviction_tiers",
+           "parse_capacity", "replay", "scaled_spec")
+
+EVICTIONS = ("lru", "lfu", "arc", "opt")
+"""Eviction policies a replay can use: the cache's online ones, and ``opt`` (Belady's MIN,
+which needs the trace's future, so only a replay has it)."""
 
 MODELS: dict[str, KVSpec] = {
     "llama3-8b": KVSpec.mha(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bf16"),
@@ -108,7 +116,9 @@ class ReplayConfig:
     page_size: int = 16
     write_policy: Literal["write_through", "write_through_selective", "write_back"] = \
         "write_through"
-    eviction: Literal["lru", "lfu"] = "lru"
+    eviction: str = "lru"
+    """A policy of `EVICTIONS` for both tiers, or ``"L1:L2"`` (``"arc:lru"``) one per tier.
+    ``opt`` needs a sequential replay (``fast``, concurrency 1)."""
     host_layout: Literal["layer_first", "page_first"] = "page_first"
     time_mode: TimeMode = "fast"
     """``fast``: as fast as possible; ``timestamps``: honour arrival times / `speedup`."""
@@ -139,6 +149,10 @@ class ReplayConfig:
         if self.device_tokens < self.page_size:
             raise ConfigError(f"device_tokens: {self.device_tokens} is less than one page "
                               f"({self.page_size} tokens)")
+        if "opt" in eviction_tiers(self.eviction) and (
+                self.time_mode != "fast" or self.concurrency != 1):
+            raise ConfigError("eviction: 'opt' follows the trace request by request: it needs "
+                              "time_mode 'fast' and concurrency 1")
         scaled_spec(self.spec, self.kv_scale)
 
     def cache_config(self, storage: str | None = None) -> HiCacheConfig:
@@ -146,8 +160,28 @@ class ReplayConfig:
             spec=scaled_spec(self.spec, self.kv_scale), page_size=self.page_size,
             device_pages=self.device_tokens // self.page_size,
             host_pages=self.host_tokens // self.page_size, write_policy=self.write_policy,
-            eviction=self.eviction, host_layout=self.host_layout, storage=storage,
-            prefetch_policy=self.prefetch_policy)
+            eviction=_online(eviction_tiers(self.eviction)), host_layout=self.host_layout,
+            storage=storage, prefetch_policy=self.prefetch_policy)
+
+
+def eviction_tiers(text: str) -> tuple[str, str]:
+    """``"arc"`` -> ``("arc", "arc")``; ``"arc:lru"`` -> ``("arc", "lru")`` (L1, L2).
+
+    Raises:
+        ConfigError: not one or two names of `EVICTIONS`.
+    """
+    names = text.split(":") if isinstance(text, str) else []
+    if len(names) not in (1, 2) or not all(n in EVICTIONS for n in names):
+        raise ConfigError(f"eviction: expected one of {', '.join(EVICTIONS)} or two of them "
+                          f"as L1:L2, got {text!r}")
+    return (names[0], names[-1])
+
+
+def _online(tiers: tuple[str, str]) -> Any:
+    """The cache's own eviction setting: ``opt`` tiers start as LRU and get `Belady` before
+    the first request."""
+    device, host = ("lru" if name == "opt" else name for name in tiers)
+    return device if device == host else (device, host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +215,7 @@ class ReplayResult:
     bytes_per_token: int
     kv_scale: int
     extra: dict[str, float] = field(default_factory=dict)
+    eviction: str = "lru"
 
     @property
     def hit_ratio(self) -> float:
@@ -213,28 +248,49 @@ async def replay(config: ReplayConfig, requests: Sequence[Request], *,
 
     `progress(n)` is called as requests complete.
 
+    With ``opt`` eviction the requests are rewritten first (`FutureUses`): hit ratios are
+    those of the trace, token ids are not.
+
     Cancellation: in-flight requests are cancelled (they unpin) and the cache is closed.
     """
+    future = None
+    if "opt" in eviction_tiers(config.eviction):
+        future = FutureUses(requests, config.page_size)
+        requests = future.requests
     with contextlib.ExitStack() as stack:
         storage = config.storage
         if storage == "tmp":
             storage = "file://" + stack.enter_context(
                 tempfile.TemporaryDirectory(prefix="aiohicache-l3-"))
-        return await _replay(config, config.cache_config(storage), requests, progress)
+        return await _replay(config, config.cache_config(storage), requests, progress,
+                             future)
+
+
+def _use_belady(cache: HiCache, config: ReplayConfig, future: FutureUses) -> None:
+    """Give the ``opt`` tiers Belady's policy, keyed by the trace's future."""
+    device, host = (Belady(future.next_use, config.page_size) if name == "opt" else None
+                    for name in eviction_tiers(config.eviction))
+    cache.tree.set_policies(device=device, host=host)
 
 
 async def _replay(config: ReplayConfig, cache_config: HiCacheConfig,
-                  requests: Sequence[Request], progress: Progress | None) -> ReplayResult:
+                  requests: Sequence[Request], progress: Progress | None,
+                  future: FutureUses | None = None) -> ReplayResult:
     not_inserted = 0
+    order = itertools.count()
 
     async def serve(request: Request) -> None:
         nonlocal not_inserted
+        if future is not None:  # sequential (ReplayConfig checks): requests start in order
+            future.now = next(order)
         if not await _serve(cache, request):
             not_inserted += 1
         if progress is not None:
             progress(1)
 
     async with HiCache(cache_config) as cache, LoopLagProbe() as probe:
+        if future is not None:
+            _use_belady(cache, config, future)
         start = time.perf_counter()
         if config.time_mode == "fast" and config.concurrency == 1 and config.settle:
             for request in requests:
@@ -264,7 +320,8 @@ async def _replay(config: ReplayConfig, cache_config: HiCacheConfig,
         lag=lag, device_tokens=cache_config.device_pages * config.page_size,
         host_tokens=cache_config.host_capacity_pages * config.page_size,
         storage=config.storage,
-        bytes_per_token=cache_config.spec.bytes_per_token, kv_scale=config.kv_scale)
+        bytes_per_token=cache_config.spec.bytes_per_token, kv_scale=config.kv_scale,
+        eviction=config.eviction)
 
 
 async def _serve(cache: HiCache, request: Request) -> bool:
@@ -314,6 +371,13 @@ async def _release_after(serve: Callable[[Request], Any], request: Request,
         limit.release()
 
 
-def sweep_configs(base: ReplayConfig, device_tokens: Sequence[int]) -> list[ReplayConfig]:
-    """One config per L1 capacity, everything else as `base`."""
-    return [replace(base, device_tokens=n) for n in device_tokens]
+def sweep_configs(base: ReplayConfig, device_tokens: Sequence[int],
+                  evictions: Sequence[str] = ()) -> list[ReplayConfig]:
+    """One config per eviction policy (`base`'s if none) and L1 capacity, policy-major;
+    everything else as `base`.
+
+    Raises:
+        ConfigError: a policy is invalid (see `ReplayConfig.eviction`).
+    """
+    return [replace(base, eviction=e, device_tokens=n)
+            for e in evictions or [base.eviction] for n in device_tokens]

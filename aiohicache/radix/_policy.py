@@ -1,0 +1,279 @@
+"""Eviction policies: the order in which one tier's unpinned leaves leave it.
+
+Each tier of a `RadixTree` owns one policy. The tree offers every node that becomes a
+candidate (an unpinned leaf of that tier) and pops victims; the policy decides the order.
+Policies are synchronous and I/O-free like the tree, and no operation scans the tree.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from ._node import Node
+
+__all__ = ("ARC", "LFU", "LRU", "NEVER", "Belady", "EvictionPolicy", "PolicyName",
+           "make_policy")
+
+PolicyName = Literal["lru", "lfu", "arc"]
+"""Online policies a tree builds by name (Belady's needs the future: `Belady`)."""
+
+NEVER = 1 << 62
+"""`Belady`'s next use of a page no later request uses."""
+
+_Entry = tuple[tuple[int, ...], int, Node]
+
+
+class EvictionPolicy:
+    """Orders one tier's candidates in lazy min-heaps, one per class: smallest key first.
+
+    Subclasses define `key` (the order within a class), and may split candidates into
+    classes (`cls`) and choose the class the next victim comes from (`order`). An entry goes
+    stale when its node's key or class changes or the node stops being a candidate; `pop`
+    discards those, so push and pop are O(log n) and nothing is ever removed from the middle.
+    The tree calls the ``on_*`` hooks; the base class ignores them.
+    """
+
+    name: ClassVar[str] = ""
+    num_classes: ClassVar[int] = 1
+    counts_pages: ClassVar[bool] = False
+    """Whether the tree must report pages joining and leaving the tier (`on_resident`)."""
+    learns_from_misses: ClassVar[bool] = False
+    """Whether the tree must report what a request wanted and the tier lacked (`on_miss`)."""
+
+    def __init__(self) -> None:
+        self._heaps: list[list[_Entry]] = [[] for _ in range(self.num_classes)]
+
+    def key(self, node: Node) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def cls(self, node: Node) -> int:
+        return 0
+
+    def order(self) -> Sequence[int]:
+        """Classes in the order the next victim is looked for."""
+        return range(self.num_classes)
+
+    def tail_run(self, node: Node) -> int:
+        """Pages that may leave together from the tail of victim `node` (the tree splits off
+        the rest, which becomes a candidate of its own)."""
+        return node.num_pages
+
+    # -- the heaps ---------------------------------------------------------------------------
+
+    def push(self, node: Node) -> None:
+        heapq.heappush(self._heaps[self.cls(node)], (self.key(node), node.id, node))
+
+    def pop(self, is_candidate: Callable[[Node], bool]) -> Node | None:
+        """The next victim among candidates, or None; stale entries on the way are dropped."""
+        for c in self.order():
+            heap = self._heaps[c]
+            while heap:
+                key, _, node = heapq.heappop(heap)
+                if is_candidate(node) and self._current(node, c, key):
+                    return node
+        return None
+
+    def _current(self, node: Node, c: int, key: tuple[int, ...]) -> bool:
+        return self.cls(node) == c and key == self.key(node)
+
+    def rebuild(self, candidates: Iterable[Node]) -> None:
+        """Drop every entry and queue exactly `candidates` (O(n), when stale entries pile up)."""
+        self._heaps = [[] for _ in range(self.num_classes)]
+        for node in candidates:
+            self._heaps[self.cls(node)].append((self.key(node), node.id, node))
+        for heap in self._heaps:
+            heapq.heapify(heap)
+
+    @property
+    def num_entries(self) -> int:
+        return sum(map(len, self._heaps))
+
+    def queued(self) -> set[int]:
+        """Ids of nodes with a current entry (for checks: O(entries))."""
+        return {node.id for c, heap in enumerate(self._heaps)
+                for key, _, node in heap if self._current(node, c, key)}
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def on_resident(self, node: Node, pages: int) -> None:
+        """`pages` pages of `node` joined (> 0) or left (< 0) the tier, or changed class
+        (the tree reports them leaving and joining again around a hit)."""
+
+    def on_evict(self, node: Node) -> None:
+        """Victim `node` (all of its pages) leaves the tier; `node.parent` stays."""
+
+    def on_miss(self, after: Node, tokens: npt.NDArray[np.int64], pos: int) -> None:
+        """A request wanted the whole pages of `tokens` from `pos` on, right after `after`
+        (a node or the root), and the tier had none of them."""
+
+    def problem(self, resident: Iterable[Node]) -> str:
+        """What is wrong with the policy's own bookkeeping given the tier's nodes, or ""."""
+        return ""
+
+
+class LRU(EvictionPolicy):
+    """Least recently used first; equal recency: the older node first."""
+
+    name = "lru"
+
+    def key(self, node: Node) -> tuple[int, ...]:
+        return (node.last_access,)
+
+
+class LFU(EvictionPolicy):
+    """Least frequently used first (hits since insert), then least recently used."""
+
+    name = "lfu"
+
+    def key(self, node: Node) -> tuple[int, ...]:
+        return (node.hit_count, node.last_access)
+
+
+@dataclass(slots=True)
+class _Ghost:
+    """Pages a victim took with it: how many, its class then, and its id (the parent of the
+    ghost that continues the prefix)."""
+
+    num_pages: int
+    cls: int
+    node_id: int
+
+
+class ARC(EvictionPolicy):
+    """Adaptive Replacement Cache (Megiddo and Modha, FAST'03) on a prefix tree.
+
+    Class 0 (ARC's T1) holds nodes hit at most once, i.e. inserted and not matched since;
+    class 1 (T2) nodes matched again. Each class is LRU. Victims come from class 0 while it
+    holds more than `target` pages, else from class 1 (either way the other when the first
+    has no candidate). Victims leave ghosts, keyed by (parent id, first page): a later
+    request that misses exactly those pages after that parent is evidence that their class
+    deserved more room, and moves `target` towards it by ``max(1, other ghosts / these
+    ghosts)`` pages per page missed, as ARC does. Ghosts hold at most `capacity` pages, oldest
+    dropped first.
+
+    Cost: push/pop O(log n); a miss looks up one ghost per evicted run it walks down (O(1)
+    each, dict); `on_resident` O(1).
+    """
+
+    name = "arc"
+    num_classes = 2
+    counts_pages = True
+    learns_from_misses = True
+
+    def __init__(self, capacity: int, page_size: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.page_size = page_size
+        self.target = capacity / 2
+        """Pages class 0 may hold before it gives up victims first (ARC's p)."""
+        self.recent_pages = 0
+        """Pages of class-0 nodes on the tier (ARC's |T1|), pinned ones included."""
+        self._ghosts: OrderedDict[tuple[int, bytes], _Ghost] = OrderedDict()
+        self.ghost_pages = [0, 0]
+
+    def key(self, node: Node) -> tuple[int, ...]:
+        return (node.last_access,)
+
+    def cls(self, node: Node) -> int:
+        return 0 if node.hit_count < 2 else 1
+
+    def order(self) -> Sequence[int]:
+        return (0, 1) if self.recent_pages > self.target else (1, 0)
+
+    def on_resident(self, node: Node, pages: int) -> None:
+        if node.hit_count < 2:
+            self.recent_pages += pages
+
+    def on_evict(self, node: Node) -> None:
+        assert node.parent is not None
+        ghost = _Ghost(node.num_pages, self.cls(node), node.id)
+        old = self._ghosts.pop((node.parent.id, node.key[:self.page_size].tobytes()), None)
+        if old is not None:
+            self.ghost_pages[old.cls] -= old.num_pages
+        self._ghosts[node.parent.id, node.key[:self.page_size].tobytes()] = ghost
+        self.ghost_pages[ghost.cls] += ghost.num_pages
+        while self.ghost_pages[0] + self.ghost_pages[1] > self.capacity:
+            _, gone = self._ghosts.popitem(last=False)
+            self.ghost_pages[gone.cls] -= gone.num_pages
+
+    def on_miss(self, after: Node, tokens: npt.NDArray[np.int64], pos: int) -> None:
+        ps, parent_id = self.page_size, after.id
+        end = len(tokens) - len(tokens) % ps
+        while pos < end:
+            ghost = self._ghosts.pop((parent_id, tokens[pos:pos + ps].tobytes()), None)
+            if ghost is None:
+                return
+            self.ghost_pages[ghost.cls] -= ghost.num_pages
+            self._adapt(ghost.cls, min(ghost.num_pages, (end - pos) // ps))
+            pos += ghost.num_pages * ps
+            parent_id = ghost.node_id
+
+    def _adapt(self, cls: int, num_pages: int) -> None:
+        these, other = self.ghost_pages[cls] + num_pages, self.ghost_pages[1 - cls]
+        step = num_pages * max(1.0, other / these)
+        if cls == 0:
+            self.target = min(float(self.capacity), self.target + step)
+        else:
+            self.target = max(0.0, self.target - step)
+
+    def problem(self, resident: Iterable[Node]) -> str:
+        counted = sum(n.num_pages for n in resident if n.hit_count < 2)
+        if counted != self.recent_pages:
+            return f"arc: {self.recent_pages} class-0 pages counted, {counted} resident"
+        return ""
+
+
+class Belady(EvictionPolicy):
+    """Belady's MIN: the leaf whose next use lies furthest in the future first.
+
+    Offline: `next_use(token)` must say when the page that ends with `token` is next used
+    (a request index, `NEVER` if not again), which only a replay of a known trace can. A
+    node's key is its last page's next use. Pages of a node are used as prefixes, so their
+    next uses never decrease towards the tail; `tail_run` lets only the tail pages that share
+    the last page's next use leave in one step, so victims leave page by page in exact MIN
+    order.
+    """
+
+    name = "opt"
+
+    def __init__(self, next_use: Callable[[int], int], page_size: int) -> None:
+        super().__init__()
+        self.next_use = next_use
+        self.page_size = page_size
+
+    def key(self, node: Node) -> tuple[int, ...]:
+        return (-self.next_use(int(node.key[-1])),)
+
+    def tail_run(self, node: Node) -> int:
+        ps, keys = self.page_size, node.key
+        last = self.next_use(int(keys[-1]))
+        lo, hi = 0, node.num_pages - 1  # the first page that is next used with the last one
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.next_use(int(keys[(mid + 1) * ps - 1])) == last:
+                hi = mid
+            else:
+                lo = mid + 1
+        return node.num_pages - lo
+
+
+def make_policy(name: str, *, capacity: int, page_size: int) -> EvictionPolicy:
+    """The online policy called `name` for a tier of `capacity` pages.
+
+    Raises:
+        ValueError: no online policy has that name.
+    """
+    if name == "lru":
+        return LRU()
+    if name == "lfu":
+        return LFU()
+    if name == "arc":
+        return ARC(capacity, page_size)
+    raise ValueError(f"unknown eviction policy {name!r}")
