@@ -6,6 +6,7 @@ Subcommands are thin: they parse options, pick an event loop and call into the p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 from collections.abc import Callable
@@ -356,6 +357,58 @@ def _print_replay(results: list[ReplayResult], trace: str, *, as_json: bool,
                    if len({r.eviction for r in results}) > 1 else
                    f"aiohicache replay: {trace}, hit ratio vs L1 capacity\n")
         click.echo(format_sweep(results))
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="0: any free port (the URL is printed).")
+@click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False),
+              default=None, help="A local HF checkpoint directory (default: a tiny random "
+                                 "Llama built in-process; nothing is downloaded).")
+@click.option("--page-size", type=click.IntRange(1, 256), default=16, show_default=True)
+@click.option("--l1", "l1", type=click.IntRange(min=1), default=16384, show_default=True,
+              help="L1 (device pool) capacity in tokens.")
+@click.option("--l2", "l2", type=click.IntRange(min=0), default=65536, show_default=True,
+              help="L2 (host pool) capacity in tokens; 0 for none.")
+@click.option("--l3", "l3", default="none", show_default=True, callback=_l3_url,
+              help="L3: 'none' or a URL (file:///dir, redis://host:port/0, memory://).")
+@click.option("--no-cache", is_flag=True,
+              help="No cache at all: every prompt is recomputed (a baseline to compare).")
+@click.option("--compute-threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Forward passes that run at once.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Weights of the tiny random model.")
+@loop_option
+def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int, l2: int,
+          l3: str, no_cache: bool, compute_threads: int, seed: int, loop: str) -> None:
+    """OpenAI-compatible completions server: an HF model generating through the cache.
+
+    POST /v1/completions (streaming and not), GET /metrics (Prometheus), /health, /v1/models.
+    Needs the serve extra: pip install 'aiohicache[serve]'.
+    """
+    from .serve import Engine, EngineConfig, load_model
+    from .serve import serve as run_server
+
+    if l3 == "tmp":
+        raise click.BadParameter("'tmp' is for replay; pass a URL or 'none'", param_hint="--l3")
+    config = EngineConfig(page_size=page_size, device_tokens=l1, host_tokens=l2,
+                          storage=None if l3 == "none" else l3, use_cache=not no_cache,
+                          compute_threads=compute_threads)
+    try:
+        model, tokenizer, name = load_model(model_path, seed=seed)
+        engine = Engine(model, tokenizer, config, name=name)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+    def ready(url: str) -> None:
+        mode = "no cache (recompute)" if no_cache else f"cache L1={l1} L2={l2} L3={l3} tokens"
+        click.echo(f"aiohicache serve: {name} on {url} ({mode})")
+        click.get_text_stream("stdout").flush()
+
+    with asyncio.Runner(loop_factory=loop_factory(loop)) as runner, \
+            contextlib.suppress(KeyboardInterrupt):
+        runner.run(run_server(engine, host, port, on_ready=ready))
 
 
 def main() -> None:

@@ -27,12 +27,10 @@ import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from . import ConfigError, FetchContext, HiCache, KVSpec
 from ._concurrency import finish_then_cancel
-from .api import FetchContext, HiCache
-from .config import KVSpec
-from .errors import ConfigError
 
-__all__ = ("HFAdapter", "PoolCache", "Prefill", "kv_spec", "tiny_llama")
+__all__ = ("HFAdapter", "PoolCache", "Prefill", "forward", "kv_spec", "layer_kv", "tiny_llama")
 
 
 def tiny_llama(*, seed: int = 0, vocab_size: int = 32000, hidden_size: int = 128,
@@ -79,6 +77,20 @@ def kv_spec(config: PretrainedConfig, dtype: torch.dtype | str | None = None) ->
         raise ConfigError(f"config: not a decoder-only attention model ({exc})") from None
     return KVSpec.mha(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                       dtype=dtype or getattr(text, "dtype", None) or torch.float32)
+
+
+def forward(model: PreTrainedModel, tokens: list[int], past: DynamicCache, *,
+            all_logits: bool = False) -> torch.Tensor:
+    """One forward pass of `tokens` after what `past` holds (which it extends); blocking.
+
+    Returns ``[1, q, vocab]`` logits: the last position's, or every position's.
+    """
+    ids = torch.tensor([tokens], dtype=torch.int64, device=model.device)
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=past, use_cache=True,
+                    logits_to_keep=0 if all_logits else 1)
+    logits: torch.Tensor = out.logits
+    return logits
 
 
 def layer_kv(past: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,12 +297,7 @@ class HFAdapter:
             raise
 
     def _forward(self, new: list[int], past: DynamicCache, all_logits: bool) -> torch.Tensor:
-        ids = torch.tensor([new], dtype=torch.int64, device=self.model.device)
-        with torch.no_grad():
-            out = self.model(input_ids=ids, past_key_values=past, use_cache=True,
-                             logits_to_keep=0 if all_logits else 1)
-        logits: torch.Tensor = out.logits
-        return logits
+        return forward(self.model, new, past, all_logits=all_logits)
 
     async def decode(self, past: DynamicCache, token: int) -> torch.Tensor:
         """One decode step: feed `token`, return the next position's logits ``[vocab]``.

@@ -1,0 +1,298 @@
+"""The serving engine: one HF model, one `HiCache`, requests generated through `aiohicache.hf`.
+
+Forward passes run on a compute executor (one thread by default: one accelerator runs one
+pass at a time); everything a request waits for on the cache — the match, L3 prefetch,
+load-back layer by layer, commit — is awaited on the event loop, so a request waiting for its
+KV never holds up another's compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Protocol, Self
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .. import ConfigError, HiCache, HiCacheConfig
+from .._concurrency import finish_then_cancel
+from ..hf import HFAdapter, forward, kv_spec
+
+__all__ = ("ByteTokenizer", "Engine", "EngineConfig", "Metrics", "SamplingParams", "Tokenizer",
+           "Usage", "cache_config")
+
+log = logging.getLogger(__name__)
+
+TIERS = ("L1", "L2", "L3")
+
+
+class Tokenizer(Protocol):
+    """What the server needs of a tokenizer (a transformers tokenizer fits)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255; ids past 255 (a random model emits them) decode as
+    ``<id>``. For the tiny random model, which has no tokenizer of its own."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: Sequence[int]) -> str:
+        small = all(0 <= i < 256 for i in ids)
+        if small:
+            return bytes(ids).decode(errors="replace")
+        return "".join(chr(i) if 32 <= i < 127 else f"<{i}>" for i in ids)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """How the engine caches: tier sizes in tokens, L3, and the recompute-only baseline."""
+
+    page_size: int = 16
+    device_tokens: int = 16384
+    """L1 capacity (tokens)."""
+    host_tokens: int = 65536
+    """L2 capacity (tokens); 0 for none."""
+    storage: object = None
+    """L3: a URL (``file:///dir``, ``redis://host:port/0``, ``memory://``), a
+    `StorageBackend` built for `cache_config`'s page format, or None."""
+    use_cache: bool = True
+    """False: no cache at all; every prompt is computed whole (the baseline)."""
+    commit_output: bool = True
+    """Also cache the KV of generated tokens (a next turn that quotes them hits)."""
+    compute_threads: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    """0: greedy."""
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class Usage:
+    """One request's token counts and where its cached prefix came from."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens whose KV was not computed."""
+    tiers: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    """Cached prompt tokens by the tier they were found in (L1 device, L2 host, L3 storage)."""
+    ttft: float = 0.0
+    """Seconds from the request to its first token."""
+
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(slots=True)
+class Metrics:
+    """Counters for ``/metrics``: per tier, never a single hit-rate gauge (a ratio with no
+    requests reads as anything)."""
+
+    requests: int = 0
+    running: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(_TTFT_BUCKETS))
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+
+    def observe(self, usage: Usage) -> None:
+        self.prompt_tokens += usage.prompt_tokens
+        for tier, n in usage.tiers.items():
+            self.hit_tokens[tier] += n
+        self.ttft_sum += usage.ttft
+        self.ttft_count += 1
+        for i, bound in enumerate(_TTFT_BUCKETS):
+            if usage.ttft <= bound:
+                self.ttft_buckets[i] += 1
+
+    def render(self, cache: HiCache | None) -> str:
+        """Prometheus text exposition."""
+        lines = [
+            "# TYPE aiohicache_requests_total counter",
+            f"aiohicache_requests_total {self.requests}",
+            "# TYPE aiohicache_requests_running gauge",
+            f"aiohicache_requests_running {self.running}",
+            "# TYPE aiohicache_prompt_tokens_total counter",
+            f"aiohicache_prompt_tokens_total {self.prompt_tokens}",
+            "# TYPE aiohicache_generated_tokens_total counter",
+            f"aiohicache_generated_tokens_total {self.generated_tokens}",
+            "# TYPE aiohicache_hit_tokens_total counter",
+            *(f'aiohicache_hit_tokens_total{{tier="{t}"}} {n}' for t, n in self.hit_tokens.items()),
+            "# TYPE aiohicache_ttft_seconds histogram",
+            *(f'aiohicache_ttft_seconds_bucket{{le="{b}"}} {n}'
+              for b, n in zip(_TTFT_BUCKETS, self.ttft_buckets, strict=True)),
+            f'aiohicache_ttft_seconds_bucket{{le="+Inf"}} {self.ttft_count}',
+            f"aiohicache_ttft_seconds_sum {self.ttft_sum:.6f}",
+            f"aiohicache_ttft_seconds_count {self.ttft_count}",
+        ]
+        if cache is not None:
+            lines += _cache_gauges(cache)
+        return "\n".join(lines) + "\n"
+
+
+def _cache_gauges(cache: HiCache) -> list[str]:
+    s = cache.stats()
+    out = ["# TYPE aiohicache_cache_pages gauge"]
+    for tier, used, free in (("L1", s.device_pages_used, s.device_pages_free),
+                             ("L2", s.host_pages_used, s.host_pages_free)):
+        out += [f'aiohicache_cache_pages{{tier="{tier}",state="used"}} {used}',
+                f'aiohicache_cache_pages{{tier="{tier}",state="free"}} {free}']
+    out += ["# TYPE aiohicache_cache_healthy gauge",
+            f"aiohicache_cache_healthy {int(s.health != 'failed')}",
+            "# TYPE aiohicache_cache_evicted_pages_total counter",
+            f'aiohicache_cache_evicted_pages_total{{tier="L1"}} {s.device_evicted_pages}',
+            f'aiohicache_cache_evicted_pages_total{{tier="L2"}} {s.host_evicted_pages}']
+    return out
+
+
+class Engine:
+    """Generates for many concurrent requests with one model and (unless disabled) one cache.
+
+    An async context manager: the cache is open and the compute thread runs inside it.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: Tokenizer, config: EngineConfig,
+                 *, name: str = "tiny-llama") -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.name = name
+        self.metrics = Metrics()
+        self.cache = HiCache(cache_config(model, config)) if config.use_cache else None
+        self._executor = ThreadPoolExecutor(config.compute_threads,
+                                            thread_name_prefix="aiohicache-compute")
+        self._adapter: HFAdapter | None = None
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+
+    async def __aenter__(self) -> Self:
+        if self.cache is not None:
+            await self.cache.__aenter__()
+            self._adapter = HFAdapter(self.model, self.cache, executor=self._executor)
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self.cache is not None:
+            await self.cache.aclose()
+        self._executor.shutdown(wait=False)
+
+    @property
+    def health(self) -> str:
+        return self.cache.stats().health if self.cache is not None else "ok"
+
+    async def generate(self, prompt: list[int], params: SamplingParams,
+                       usage: Usage) -> AsyncGenerator[int, None]:
+        """Yield the generated token ids of one request; fill `usage` on the way.
+
+        Raises:
+            ConfigError: the prompt is empty or too long for the model.
+
+        Cancellation (or the consumer closing the generator): the forward pass in flight
+        finishes on its thread, the cache context exits; nothing leaks.
+        """
+        self._check(prompt, params)
+        start = time.perf_counter()
+        self.metrics.requests += 1
+        self.metrics.running += 1
+        try:
+            steps = self._cached(prompt, params, usage) if self._adapter is not None \
+                else self._uncached(prompt, params, usage)
+            async for token in steps:
+                if usage.completion_tokens == 0:
+                    usage.ttft = time.perf_counter() - start
+                    self.metrics.observe(usage)
+                usage.completion_tokens += 1
+                self.metrics.generated_tokens += 1
+                yield token
+        finally:
+            self.metrics.running -= 1
+
+    def _check(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ConfigError("prompt: must not be empty")
+        if len(prompt) + params.max_tokens > self.max_positions:
+            raise ConfigError(f"prompt: {len(prompt)} tokens + max_tokens {params.max_tokens} "
+                              f"exceed the model's {self.max_positions} positions")
+        vocab = int(self.model.config.vocab_size)
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ConfigError(f"prompt: token ids must be in 0..{vocab - 1}")
+
+    async def _cached(self, prompt: list[int], params: SamplingParams,
+                      usage: Usage) -> AsyncIterator[int]:
+        adapter, cache = self._adapter, self.cache
+        assert adapter is not None and cache is not None
+        async with cache.fetch(prompt) as hit:
+            usage.tiers = {"L1": hit.num_device_hit_tokens, "L2": hit.num_host_hit_tokens,
+                           "L3": hit.num_storage_hit_tokens}
+            usage.cached_tokens = hit.num_cached_tokens
+            out = await adapter.prefill(hit, prompt)
+            fed = list(prompt)
+            async for token in self._decode(out.logits[0, -1], out.past_key_values, params,
+                                            fed):
+                yield token
+            if self.config.commit_output:
+                await adapter.commit_decoded(hit, out, fed)
+
+    async def _uncached(self, prompt: list[int], params: SamplingParams,
+                        usage: Usage) -> AsyncGenerator[int, None]:
+        past = DynamicCache(config=self.model.config)
+        logits = await self._run(prompt, past)
+        async for token in self._decode(logits, past, params, list(prompt)):
+            yield token
+
+    async def _decode(self, logits: torch.Tensor, past: DynamicCache, params: SamplingParams,
+                      fed: list[int]) -> AsyncIterator[int]:
+        """Sample from `logits`, then decode on `past`; `fed` grows by each token fed back."""
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        for step in range(params.max_tokens):
+            token = _sample(logits, params.temperature, gen)
+            yield token
+            if step + 1 < params.max_tokens:
+                fed.append(token)
+                logits = await self._run([token], past)
+
+    async def _run(self, tokens: list[int], past: DynamicCache) -> torch.Tensor:
+        """A forward pass on the compute thread; the last position's logits ``[vocab]``.
+
+        Cancellation: the pass finishes (it mutates `past`), then the cancellation propagates.
+        """
+        loop = asyncio.get_running_loop()
+        logits = await finish_then_cancel(
+            loop.run_in_executor(self._executor, forward, self.model, tokens, past))
+        return logits[0, -1]
+
+
+def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def cache_config(model: PreTrainedModel, config: EngineConfig) -> HiCacheConfig:
+    """The `HiCacheConfig` an engine for `model` opens with `config`."""
+    ps = config.page_size
+    return HiCacheConfig(spec=kv_spec(model.config, model.dtype), page_size=ps,
+                         device_pages=max(1, config.device_tokens // ps),
+                         host_pages=config.host_tokens // ps, storage=config.storage,
+                         device=str(model.device))

@@ -1,0 +1,212 @@
+"""`aiohicache serve` over real HTTP: a real aiohttp client against a real port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("aiohttp")
+
+import aiohttp
+
+from aiohicache.hf import tiny_llama
+from aiohicache.l3 import page_format
+from aiohicache.serve import (
+    ByteTokenizer,
+    Engine,
+    EngineConfig,
+    cache_config,
+    load_model,
+    running_server,
+)
+from aiohicache.storage import FaultyBackend, backend_from_url
+
+MODEL = {"vocab_size": 512, "hidden_size": 64, "num_layers": 2, "num_heads": 4,
+         "num_kv_heads": 2}
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 512 for i in range(n)]
+
+
+def engine(**overrides: Any) -> Engine:
+    fields: dict[str, Any] = {"page_size": 16, "device_tokens": 2048, "host_tokens": 8192}
+    fields.update(overrides)
+    return Engine(tiny_llama(seed=5, **MODEL), ByteTokenizer(), EngineConfig(**fields))
+
+
+async def post(session: aiohttp.ClientSession, url: str, **body: Any) -> dict[str, Any]:
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        data: dict[str, Any] = await resp.json()
+        data["status"] = resp.status
+        return data
+
+
+async def events(session: aiohttp.ClientSession, url: str,
+                 **body: Any) -> AsyncIterator[dict[str, Any] | str]:
+    """The server-sent events of a streaming completion, parsed (``"[DONE]"`` as is)."""
+    async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
+        assert resp.status == 200 and resp.content_type == "text/event-stream"
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                payload = line[6:].strip().decode()
+                yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+async def test_completions_hit_the_cache_and_generate_what_recomputation_does() -> None:
+    first, turn2 = prompt_of(100, 1), [*prompt_of(100, 1), *prompt_of(30, 2)]
+    outputs = {}
+    for use_cache in (True, False):
+        async with engine(use_cache=use_cache) as eng, running_server(eng) as url, \
+                aiohttp.ClientSession() as session:
+            a = await post(session, url, prompt=first, max_tokens=6, temperature=0)
+            b = await post(session, url, prompt=turn2, max_tokens=6, temperature=0)
+            outputs[use_cache] = (a["aiohicache"]["token_ids"], b["aiohicache"]["token_ids"])
+            assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == (96 if use_cache else 0)
+            assert b["usage"] == {"prompt_tokens": 130, "completion_tokens": 6,
+                                  "total_tokens": 136, "prompt_tokens_details":
+                                  {"cached_tokens": cached}}
+            assert b["choices"][0]["finish_reason"] == "length"
+            if eng.cache is not None:
+                eng.cache.check_invariants()
+    assert outputs[True] == outputs[False]
+
+
+async def test_streaming_sends_one_event_per_token_then_usage_and_done() -> None:
+    async with engine() as eng, running_server(eng) as url, aiohttp.ClientSession() as session:
+        got = [e async for e in events(session, url, prompt="hello, streaming world",
+                                       max_tokens=4, temperature=0,
+                                       stream_options={"include_usage": True})]
+        plain = await post(session, url, prompt="hello, streaming world", max_tokens=4,
+                           temperature=0)
+    tokens, usage, done = got[:4], got[4], got[5]
+    assert done == "[DONE]" and len(got) == 6
+    assert [e["token_ids"][0] for e in tokens] == plain["aiohicache"]["token_ids"]  # type: ignore[index]
+    assert [e["choices"][0]["finish_reason"] for e in tokens] == [None, None, None, "length"]  # type: ignore[index]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4  # type: ignore[index]
+
+
+async def test_metrics_and_health() -> None:
+    async with engine() as eng, running_server(eng) as url, aiohttp.ClientSession() as session:
+        for _ in range(2):
+            await post(session, url, prompt=prompt_of(40, 3), max_tokens=2, temperature=0)
+        async with session.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+        async with session.get(f"{url}/health") as resp:
+            assert resp.status == 200 and await resp.json() == {"status": "ok"}
+        async with session.get(f"{url}/v1/models") as resp:
+            assert (await resp.json())["data"][0]["id"] == "tiny-llama"
+    lines = set(text.splitlines())
+    assert {"aiohicache_requests_total 2", "aiohicache_requests_running 0",
+            "aiohicache_prompt_tokens_total 80", "aiohicache_generated_tokens_total 4",
+            'aiohicache_hit_tokens_total{tier="L1"} 32', 'aiohicache_hit_tokens_total{tier="L2"} 0',
+            'aiohicache_ttft_seconds_bucket{le="+Inf"} 2'} <= lines
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": [], "max_tokens": 2}, "prompt"),
+    ({"prompt": ["a", "b"]}, "one prompt per request"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": [600]}, "token ids must be in 0..511"),
+], ids=["empty", "batch", "max_tokens", "temperature", "vocab"])
+async def test_bad_requests_get_a_400_naming_the_field(body: dict[str, Any],
+                                                       message: str) -> None:
+    async with engine() as eng, running_server(eng) as url, aiohttp.ClientSession() as session:
+        got = await post(session, url, **body)
+        assert eng.cache is not None and eng.cache.stats().device_pages_leased == 0
+    assert got["status"] == 400 and message in got["error"]["message"]
+
+
+async def test_a_request_waiting_on_slow_l3_does_not_hold_up_others(tmp_path: Path) -> None:
+    store, slow = f"file://{tmp_path}", 0.4
+    old = prompt_of(320, 4)
+    async with engine(storage=store) as eng, running_server(eng) as url, \
+            aiohttp.ClientSession() as session:
+        await post(session, url, prompt=old, max_tokens=1, temperature=0)
+        assert eng.cache is not None
+        await eng.cache.drain()  # backed up to L3
+    fresh = engine()
+    fmt = page_format(cache_config(fresh.model, EngineConfig(page_size=16, device_tokens=2048,
+                                                             host_tokens=8192)))
+    backend = FaultyBackend(backend_from_url(store, fmt), seed=0, latency=(slow, slow))
+    async with backend, engine(storage=backend) as eng, running_server(eng) as url, \
+            aiohttp.ClientSession() as session:
+        done: dict[str, float] = {}
+
+        async def timed(name: str, prompt: list[int]) -> dict[str, Any]:
+            out = await post(session, url, prompt=prompt, max_tokens=2, temperature=0)
+            done[name] = time.perf_counter()
+            return out
+
+        start = time.perf_counter()
+        from_l3, other = await asyncio.gather(timed("l3", old), timed("other", prompt_of(20, 5)))
+    assert from_l3["aiohicache"]["cached_tiers"]["L3"] == 320
+    assert done["other"] - start < slow <= done["l3"] - start  # not queued behind the L3 wait
+    assert done["other"] < done["l3"]
+    assert other["status"] == 200
+
+
+async def test_a_client_that_disconnects_mid_stream_leaks_nothing() -> None:
+    async with engine() as eng, running_server(eng) as url:
+        async with aiohttp.ClientSession() as session:
+            stream = events(session, url, prompt=prompt_of(64, 6), max_tokens=200,
+                            temperature=0)
+            assert isinstance(await anext(stream), dict)
+            await stream.aclose()  # closes the connection mid-stream
+        cache = eng.cache
+        assert cache is not None
+        deadline = time.monotonic() + 20
+        while eng.metrics.running and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)  # the server's handler ends on its own: nothing to await
+        assert eng.metrics.running == 0 and eng.metrics.generated_tokens < 200
+        assert cache.stats().device_pages_leased == 0
+        cache.check_invariants()
+
+
+async def test_a_local_checkpoint_serves_through_the_cache(tmp_path: Path) -> None:
+    tiny_llama(seed=7, **MODEL).save_pretrained(tmp_path / "ckpt")
+    model, tokenizer, name = load_model(str(tmp_path / "ckpt"))
+    assert name == "ckpt" and isinstance(tokenizer, ByteTokenizer)
+    async with Engine(model, tokenizer, EngineConfig(device_tokens=1024), name=name) as eng, \
+            running_server(eng) as url, aiohttp.ClientSession() as session:
+        for cached in (0, 32):
+            got = await post(session, url, prompt=prompt_of(40, 8), max_tokens=1)
+            assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+            assert got["model"] == "ckpt"
+
+
+def test_the_serve_command_listens_and_answers() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aiohicache", "serve", "--port", "0", "--l1", "4096"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "aiohicache serve: tiny-llama on http://127.0.0.1:" in line, line
+        url = line.split(" on ")[1].split()[0]
+
+        async def ask() -> dict[str, Any]:
+            async with aiohttp.ClientSession() as session:
+                return await post(session, url, prompt="hi there", max_tokens=3)
+
+        got = asyncio.run(ask())
+        assert got["status"] == 200 and got["usage"]["completion_tokens"] == 3
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
