@@ -1,7 +1,9 @@
-"""A throwaway ``redis-server`` on a free loopback port, for the tests and ``bench redis``.
+"""Throwaway ``redis-server`` processes on free loopback ports, for the tests and benchmarks.
 
     with RedisServer(password="s3cret") as server:
         backend = RedisBackend(server.url(db=1), fmt)
+    with LocalCluster() as cluster:       # 3 primaries + 3 replicas, redis-cli --cluster create
+        backend = RedisClusterBackend(cluster.url(), fmt)
 
 Nothing is persisted: the server runs in a temporary directory with snapshots and the append
 only file off, and the directory is removed when it stops.
@@ -21,7 +23,7 @@ from types import TracebackType
 from typing import Self
 from urllib.parse import quote
 
-__all__ = ("RedisServer", "RedisServerError")
+__all__ = ("LocalCluster", "RedisServer", "RedisServerError")
 
 _HOST = "127.0.0.1"
 _START_ATTEMPTS = 5  # a free port can be taken between choosing it and binding it
@@ -46,6 +48,9 @@ class RedisServer:
         self.executable = executable
         self.extra_args = extra_args
         self.port = 0
+        self.tls_port: int | None = None
+        """Set before `start` (to 0: any free port) to listen for TLS there (``--tls-port``);
+        then ``extra_args`` must name the certificate files."""
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -91,7 +96,11 @@ class RedisServer:
         """One try on a fresh port: True once it answers, False if the port was taken."""
         assert self._dir is not None
         self.port = _free_port()
-        args = [path, "--port", str(self.port), "--bind", _HOST, "--save", "",
+        tls: tuple[str, ...] = ()
+        if self.tls_port is not None:
+            self.tls_port = _free_port()
+            tls = ("--tls-port", str(self.tls_port))
+        args = [path, "--port", str(self.port), *tls, "--bind", _HOST, "--save", "",
                 "--appendonly", "no", "--dir", self._dir.name, "--logfile", "redis.log",
                 *(("--requirepass", self.password) if self.password is not None else ()),
                 *self.extra_args]
@@ -159,6 +168,116 @@ class RedisServer:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+class LocalCluster:
+    """A Redis Cluster of `primaries` x (1 + `replicas`) `RedisServer` processes on loopback.
+
+    `start` runs the servers with ``--cluster-enabled yes`` and a short
+    ``--cluster-node-timeout`` (so a replica takes over a killed primary in about two
+    timeouts), joins them with ``redis-cli --cluster create`` and waits until every node
+    reports ``cluster_state:ok``.
+    """
+
+    def __init__(self, *, primaries: int = 3, replicas: int = 1,
+                 node_timeout_ms: int = 1000) -> None:
+        args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-require-full-coverage", "no", "--repl-diskless-sync-delay", "0",
+                "--cluster-node-timeout", str(node_timeout_ms))
+        self.nodes = [RedisServer(extra_args=args) for _ in range(primaries * (1 + replicas))]
+        self.replicas = replicas
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def url(self) -> str:
+        """``redis+cluster://`` with two seeds (any node would do)."""
+        return "redis+cluster://" + ",".join(f"{_HOST}:{n.port}" for n in self.nodes[:2])
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start every node, create the cluster, and wait until it is ok.
+
+        Raises:
+            RedisServerError: a server or redis-cli is missing, or the cluster did not form.
+        """
+        try:
+            for node in self.nodes:
+                node.start()
+            cli = shutil.which("redis-cli")
+            if cli is None:
+                raise RedisServerError("'redis-cli' not found on PATH: install it (Debian/"
+                                       "Ubuntu: apt-get install redis-tools)")
+            done = subprocess.run(
+                [cli, "--cluster", "create", *(f"{_HOST}:{n.port}" for n in self.nodes),
+                 "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                capture_output=True, timeout=timeout, check=False)
+            if done.returncode != 0:
+                raise RedisServerError(f"redis-cli --cluster create failed: "
+                                       f"{done.stdout.decode()[-500:]}")
+            self.wait_ok(self.nodes, timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ok(self, nodes: list[RedisServer], timeout: float = 30.0) -> None:
+        """Wait until each of `nodes` reports ``cluster_state:ok`` and, if a replica, has
+        synced with its primary (a replica that never synced cannot take over)."""
+        deadline = time.monotonic() + timeout
+        pending = list(nodes)
+        while pending:
+            if time.monotonic() > deadline:
+                raise RedisServerError(f"the cluster is not ok after {timeout} s: "
+                                       f"{[n.port for n in pending]}")
+            pending = [n for n in pending if not (_cluster_ok(n.port) and _synced(n.port))]
+            time.sleep(0.05)
+
+    def primaries(self) -> list[RedisServer]:
+        """The running nodes that are primaries now (a promoted replica included)."""
+        return [n for n in self.nodes if n.running and _role(n.port) == "master"]
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def _command(port: int, *words: str) -> str:
+    """One inline command's reply (a bulk string's text), or "" if none came."""
+    try:
+        with socket.create_connection((_HOST, port), timeout=1.0) as sock:
+            sock.sendall(" ".join(words).encode() + b"\r\n")
+            data = b""
+            while not data.endswith(b"\r\n") or data.count(b"\r\n") < 2:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            return data.decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _cluster_ok(port: int) -> bool:
+    return "cluster_state:ok" in _command(port, "CLUSTER", "INFO")
+
+
+def _role(port: int) -> str:
+    return _info_field(port, "replication", "role")
+
+
+def _synced(port: int) -> bool:
+    return _role(port) == "master" or _info_field(port, "replication",
+                                                  "master_link_status") == "up"
+
+
+def _info_field(port: int, section: str, name: str) -> str:
+    for line in _command(port, "INFO", section).splitlines():
+        if line.startswith(f"{name}:"):
+            return line.partition(":")[2].strip()
+    return ""
 
 
 def _free_port() -> int:

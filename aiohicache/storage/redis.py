@@ -8,22 +8,29 @@ pages. Payloads are bytes in and bytes out; nothing is ever pickled.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Self, TypeVar, TypeVarTuple, cast
+from typing import Any, Self, TypeVar, TypeVarTuple, cast
 from urllib.parse import urlsplit
 
 import anyio.to_thread
 import numpy as np
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import ClusterPipeline as _ClusterPipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.connection import parse_url
+from redis.exceptions import ClusterDownError, RedisError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .._concurrency import finish_then_cancel
 from ..errors import ClosedError, ConfigError
@@ -31,12 +38,19 @@ from ._common import check_buffers, check_keys
 from .base import HEADER_SIZE, BackendStats, PageFormat, decode_page, encode_header
 from .errors import StorageError, StorageReadError, StorageWriteError
 
-__all__ = ("RedisBackend",)
+__all__ = ("RedisBackend", "RedisClusterBackend")
 
 log = logging.getLogger(__name__)
 
 _SCHEMES = ("redis", "rediss", "unix")
+_CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster", "valkey+cluster", "valkeys+cluster")
+_NODE_ERRORS = (ConnectionError, TimeoutError, OSError, RedisConnectionError, RedisTimeoutError,
+                ClusterDownError, TryAgainError)
+"""Errors that mean a node (not a command) failed."""
+_INFO_INTERVAL_S = 10.0
+"""Seconds between looks at the server's memory (``INFO memory``), made by writes."""
 Blob = bytes | None
+_Add = Callable[[Any, str, int], object]
 R = TypeVar("R")
 Ts = TypeVarTuple("Ts")
 
@@ -110,15 +124,19 @@ class RedisBackend:
             max_batch, max_pipeline_bytes // (HEADER_SIZE + fmt.payload_bytes)))
         self._ttl_ms = None if ttl is None else max(1, round(ttl * 1000))
         self._stats = BackendStats()
-        self._client = _client(url, self.url, socket_timeout=socket_timeout,
-                               connect_timeout=connect_timeout,
-                               max_connections=max_connections, retries=retries)
+        self._info_at = -math.inf
+        self._client = self._connect(url, socket_timeout=socket_timeout,
+                                     connect_timeout=connect_timeout,
+                                     max_connections=max_connections, retries=retries)
         self._closed = False  # set last: an instance that failed to build has nothing to close
         log.debug("redis backend %s, prefix %r", self.url, self.key_prefix)
 
+    def _connect(self, url: str, **settings: float) -> Redis | RedisCluster:
+        return _client(url, self.url, **settings)  # type: ignore[arg-type]
+
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        return f"<RedisBackend {self.url} prefix={self.key_prefix!r} {state}>"
+        return f"<{type(self).__name__} {self.url} prefix={self.key_prefix!r} {state}>"
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -150,6 +168,23 @@ class RedisBackend:
         self._check_open()
         with self._translate(StorageError, "ping"):
             await self._client.ping()
+        await self._look_at_memory()
+
+    async def _look_at_memory(self) -> None:
+        """Record the server's ``maxmemory`` and ``used_memory`` (errors are not counted:
+        a user may lack the right to INFO)."""
+        self._info_at = time.monotonic()
+        try:
+            replies = await self._memory_info()
+        except (RedisError, OSError) as exc:
+            log.debug("redis INFO memory on %s failed: %r", self.url, exc)
+            return
+        extra = self._stats.extra
+        extra["max_bytes"] = sum(int(cast(int, r.get("maxmemory", 0))) for r in replies)
+        extra["used_bytes"] = sum(int(cast(int, r.get("used_memory", 0))) for r in replies)
+
+    async def _memory_info(self) -> list[dict[str, object]]:
+        return [await self._client.info("memory")]
 
     async def aclose(self) -> None:
         """Close every connection; idempotent. Later calls raise `ClosedError`.
@@ -169,7 +204,9 @@ class RedisBackend:
 
     def stats(self) -> BackendStats:
         """A copy of the counters; `extra` has ``round_trips`` (pipelines and single commands
-        sent) and ``commands``."""
+        sent), ``commands``, and the server's memory as last seen (on entering, then at most
+        every 10 s by a write): ``max_bytes`` (``maxmemory``, 0: no limit) and ``used_bytes``
+        (``used_memory``), summed over a cluster's primaries."""
         s = self._stats
         return BackendStats(s.exists_calls, s.pages_read, s.pages_written, s.pages_deleted,
                             s.bytes_read, s.bytes_written, s.misses, s.corrupt, s.errors,
@@ -192,10 +229,8 @@ class RedisBackend:
         found = 0
         with self._translate(StorageReadError, "exists"):
             for lo in range(0, len(names), self.max_batch):
-                pipe = self._client.pipeline(transaction=False)
-                for name in names[lo:lo + self.max_batch]:
-                    pipe.exists(name)
-                replies = await self._execute(pipe)
+                replies = await self._pipelined(names[lo:lo + self.max_batch],
+                                                lambda pipe, name, _: pipe.exists(name))
                 present = _leading_true(replies)
                 found += present
                 if present < len(replies):
@@ -248,6 +283,8 @@ class RedisBackend:
         names = self._names(keys)
         views = check_buffers(self.fmt, keys, buffers)
         stored: list[bool] = []
+        if time.monotonic() - self._info_at > _INFO_INTERVAL_S:
+            await self._look_at_memory()
         with self._translate(StorageWriteError, "set"):
             for lo, hi in self._page_ranges(len(names)):
                 objects = await self._off_loop(hi - lo, _encode_objects, self.fmt, keys[lo:hi],
@@ -305,7 +342,17 @@ class RedisBackend:
             raise error(f"redis {what} on {self.url} failed: {type(exc).__name__}: {exc}") \
                 from exc
 
-    async def _execute(self, pipe: Pipeline, *, raise_on_error: bool = True) -> list[object]:
+    async def _pipelined(self, names: list[str], add: _Add, *,
+                         raise_on_error: bool = True) -> list[object]:
+        """One reply per name: `add(pipe, name, i)` queues each name's command, and the
+        pipeline is sent in one round trip (a cluster overrides this: one per node)."""
+        pipe = self._client.pipeline(transaction=False)
+        for i, name in enumerate(names):
+            add(pipe, name, i)
+        return await self._execute(pipe, raise_on_error=raise_on_error)
+
+    async def _execute(self, pipe: Pipeline | _ClusterPipeline, *,
+                       raise_on_error: bool = True) -> list[object]:
         self._count_round_trip(len(pipe))
         replies: list[object] = await pipe.execute(raise_on_error=raise_on_error)
         return replies
@@ -316,10 +363,10 @@ class RedisBackend:
         return cast(list[Blob], await self._client.mget(names))
 
     async def _set_pipeline(self, names: list[str], objects: list[memoryview]) -> list[bool]:
-        pipe = self._client.pipeline(transaction=False)
-        for name, obj in zip(names, objects, strict=True):
-            pipe.set(name, obj, px=self._ttl_ms)
-        return [reply is True for reply in await self._execute(pipe, raise_on_error=False)]
+        replies = await self._pipelined(
+            names, lambda pipe, name, i: pipe.set(name, objects[i], px=self._ttl_ms),
+            raise_on_error=False)
+        return [reply is True for reply in replies]
 
     def _count_round_trip(self, commands: int) -> None:
         extra = self._stats.extra
@@ -346,10 +393,8 @@ class RedisBackend:
                     if blob is not None and payload is None]
         if not rejected:
             return
-        pipe = self._client.pipeline(transaction=False)
-        for name, blob in rejected:
-            pipe.eval(_DELETE_IF_UNCHANGED, 1, name, blob)
-        await self._execute(pipe)
+        await self._pipelined([name for name, _ in rejected], lambda pipe, name, i: pipe.eval(
+            _DELETE_IF_UNCHANGED, 1, name, rejected[i][1]))
         log.debug("redis %s: deleted %d rejected objects", self.url, len(rejected))
 
     def _count_reads(self, blobs: list[Blob], filled: list[bool]) -> None:
@@ -360,6 +405,129 @@ class RedisBackend:
         s.bytes_read += num_filled * self.fmt.payload_bytes
         s.misses += num_absent
         s.corrupt += len(blobs) - num_filled - num_absent
+
+
+class RedisClusterBackend(RedisBackend):
+    """A `StorageBackend` on a Redis (or Valkey) Cluster:
+    ``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster://`` for
+    TLS; ``valkey+cluster://`` is the same). The hosts are seeds: the client learns the
+    whole cluster from any of them.
+
+        async with RedisClusterBackend("redis+cluster://10.0.0.5:7000,10.0.0.6:7000", fmt) as l3:
+            await l3.set_from(keys, pages)
+
+    Each page is one key, so it lives in its key's hash slot. A batch is split by the node
+    that owns each slot and the per-node pipelines run concurrently; ``MOVED`` and ``ASK``
+    redirections (slots migrating) are followed by redis-py. A node that fails (killed,
+    partitioned, not yet replaced by its replica) costs only its share of the batch: those
+    pages are misses (reads, `exists`) or not stored (writes), each lost node counted in
+    `stats().errors` and ``extra["node_failures"]``, while the other nodes' pages are
+    served; only a batch every node of which failed raises `StorageError` (so the cache's
+    breaker opens when the whole cluster is gone). The client re-reads the topology after
+    such errors, so once a replica has taken over, its slots are served again.
+
+    Same options as `RedisBackend`; `max_connections` is per node.
+    """
+
+    def _connect(self, url: str, **settings: float) -> Redis | RedisCluster:
+        return _cluster_client(url, self.url, **settings)  # type: ignore[arg-type]
+
+    _stale_at: float | None = None
+    """When a node last failed (the slot map may be stale: re-read it before the next call)."""
+
+    async def _pipelined(self, names: list[str], add: _Add, *,
+                         raise_on_error: bool = True) -> list[object]:
+        client = cast(RedisCluster, self._client)
+        groups: dict[str, list[int]] = {}
+        await client.initialize()  # learns the slot map once
+        await self._refresh_slot_map(client)
+        for i, name in enumerate(names):
+            node = client.get_node_from_key(name)
+            groups.setdefault(node.name if node else "", []).append(i)
+        replies: list[object] = [None] * len(names)
+        results = await asyncio.gather(*(self._node_pipeline(names, idx, add)
+                                         for idx in groups.values()), return_exceptions=True)
+        failures: list[BaseException] = []
+        for idx, result in zip(groups.values(), results, strict=True):
+            if not isinstance(result, BaseException):
+                lost = [r for r in result if isinstance(r, _NODE_ERRORS)]
+                if lost and len(lost) == len(result):  # every command: the node is gone
+                    result = lost[0]
+            if isinstance(result, BaseException):
+                if not isinstance(result, RedisError | OSError):
+                    raise result
+                failures.append(result)
+                result = [result] * len(idx)
+            for i, reply in zip(idx, result, strict=True):
+                if raise_on_error and isinstance(reply, Exception) and reply not in failures:
+                    raise reply
+                replies[i] = reply
+        self._count_node_failures(failures, len(groups))
+        return replies
+
+    async def _node_pipeline(self, names: list[str], idx: list[int], add: _Add) -> list[object]:
+        pipe = cast(RedisCluster, self._client).pipeline()
+        for i in idx:
+            add(pipe, names[i], i)
+        return await self._execute(pipe, raise_on_error=False)
+
+    async def _refresh_slot_map(self, client: RedisCluster) -> None:
+        """After a node failed, re-read the slot map (at most every 0.25 s): a replica may
+        have taken over its slots.
+
+        NOTE: redis-py would refresh it by closing every connection of the client and
+        retrying the whole pipeline; with one pipeline per node in flight at once, that
+        would fail the healthy nodes' pipelines too, so the client retries nothing
+        (``retries`` applies to single commands) and the map is refreshed here instead.
+        """
+        if self._stale_at is None or time.monotonic() - self._stale_at < 0.25:
+            return
+        self._stale_at = None
+        try:
+            await client.nodes_manager.initialize()
+        except (RedisError, OSError) as exc:
+            self._stale_at = time.monotonic()
+            log.debug("redis cluster %s: re-reading the slot map failed: %r", self.url, exc)
+
+    def _count_node_failures(self, failures: list[BaseException], num_groups: int) -> None:
+        if not failures:
+            return
+        self._stale_at = time.monotonic()
+        log.debug("redis cluster %s: %d of %d nodes failed: %r", self.url, len(failures),
+                  num_groups, failures[0])
+        if len(failures) == num_groups:
+            raise failures[0]  # nothing got through: the caller's error (and breaker)
+        self._stats.errors += len(failures)
+        extra = self._stats.extra
+        extra["node_failures"] = extra.get("node_failures", 0) + len(failures)
+
+    async def _mget(self, names: list[str]) -> list[Blob]:
+        # a key per slot: MGET cannot span nodes, so GETs pipelined per node
+        replies = await self._pipelined(names, lambda pipe, name, _: pipe.get(name),
+                                        raise_on_error=False)
+        return [reply if isinstance(reply, bytes) else None for reply in replies]
+
+    async def delete(self, keys: Sequence[str]) -> int:
+        """Remove `keys` (a DEL each, pipelined per node); return how many existed.
+
+        Raises:
+            ConfigError: a key is not 16-128 lowercase hex characters.
+            StorageWriteError: no node could be reached.
+
+        Cancellation: keys of the pipelines in flight may or may not be removed.
+        """
+        names = self._names(keys)
+        with self._translate(StorageWriteError, "delete"):
+            replies = await self._pipelined(names, lambda pipe, name, _: pipe.delete(name),
+                                            raise_on_error=False)
+        removed = sum(reply for reply in replies if isinstance(reply, int))
+        self._stats.pages_deleted += removed
+        return removed
+
+    async def _memory_info(self) -> list[dict[str, object]]:
+        client = cast(RedisCluster, self._client)
+        replies = await client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        return list(cast(dict[str, dict[str, object]], replies).values())
 
 
 # ---------------------------------------------------------------------- page work (any thread)
@@ -399,7 +567,7 @@ def _check_writable(views: list[memoryview]) -> None:
 
 def _leading_true(replies: list[object]) -> int:
     for i, reply in enumerate(replies):
-        if not reply:
+        if not isinstance(reply, int) or not reply:  # an error (a lost node) is absent
             return i
     return len(replies)
 
@@ -425,8 +593,39 @@ def _client(url: str, safe_url: str, *, socket_timeout: float, connect_timeout: 
     return Redis.from_pool(pool)
 
 
+def _cluster_client(url: str, safe_url: str, *, socket_timeout: float,
+                    connect_timeout: float, max_connections: int,
+                    retries: int) -> RedisCluster:
+    parts = urlsplit(url)
+    if parts.scheme not in _CLUSTER_SCHEMES:
+        raise ConfigError(f"url {safe_url!r}: the scheme must be one of {_CLUSTER_SCHEMES}")
+    auth, _, hosts = parts.netloc.rpartition("@")
+    tls = parts.scheme in ("rediss+cluster", "valkeys+cluster")
+    try:
+        seeds = [urlsplit(f"redis://{seed.strip()}") for seed in hosts.split(",")]
+        nodes = [ClusterNode(seed.hostname or "", seed.port or 6379) for seed in seeds]
+        # the query and credentials as redis-py reads them for one server
+        first = f"redis://{auth + '@' if auth else ''}{hosts.split(',')[0]}"
+        query = f"?{parts.query}" if parts.query else ""
+        options: dict[str, Any] = parse_url(first + query)  # type: ignore[no-untyped-call]
+    except ValueError as exc:
+        raise ConfigError(f"url {safe_url!r}: {exc}") from None
+    for name in ("host", "port", "db", "connection_class"):
+        options.pop(name, None)
+    # NOTE: no retries in the client (see RedisClusterBackend._refresh_slot_map)
+    return RedisCluster(startup_nodes=nodes, ssl=tls, require_full_coverage=False,
+                        socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
+                        max_connections=max_connections, retry=Retry(NoBackoff(), 0),
+                        **options)
+
+
 def _redact(url: str) -> str:
     """`url` without user, password and query (``redis://***@host:port/db``)."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme in _CLUSTER_SCHEMES:
+        netloc = rest.split("/", 1)[0].split("?", 1)[0]
+        auth = "***@" if "@" in netloc else ""
+        return f"{scheme}://{auth}{netloc.rpartition('@')[2]}"
     try:
         parts = urlsplit(url)
         host = parts.hostname or ""

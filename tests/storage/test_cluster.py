@@ -1,0 +1,148 @@
+"""`RedisClusterBackend` against a real Redis Cluster: 3 primaries + 3 replicas started by the
+tests (``redis-cli --cluster create``); slot redirections (MOVED, ASK) and a primary killed
+mid-run (its pages miss, errors are counted, the other nodes keep serving, and the replica's
+takeover is picked up)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import redis
+
+from aiohicache._redis_server import LocalCluster, RedisServerError
+from aiohicache.storage import backend_from_url
+from aiohicache.storage.redis import RedisClusterBackend
+
+from .conftest import FMT, PAYLOAD, make_keys, make_page
+
+
+@contextmanager
+def started(cluster: LocalCluster) -> Iterator[LocalCluster]:
+    """`cluster`, running until the block ends; a missing redis fails (never skips)."""
+    try:
+        cluster.start()
+    except RedisServerError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[LocalCluster]:
+    """One cluster for the session (never killed: the failover test makes its own)."""
+    with started(LocalCluster()) as running:
+        yield running
+
+
+def pages(keys: list[str]) -> list[memoryview]:
+    return [memoryview(make_page(key)) for key in keys]
+
+
+async def read(backend: RedisClusterBackend, keys: list[str]) -> list[bytes | None]:
+    buffers = [bytearray(PAYLOAD) for _ in keys]
+    hits = await backend.get_into(keys, [memoryview(b) for b in buffers])
+    return [bytes(b) if hit else None for hit, b in zip(hits, buffers, strict=True)]
+
+
+def node(port: int) -> redis.Redis:
+    return redis.Redis(port=port, socket_timeout=5)
+
+
+async def test_a_batch_is_split_per_node_and_served_from_every_primary(
+        cluster: LocalCluster) -> None:
+    keys = make_keys(256, seed=11)
+    backend = backend_from_url(cluster.url(), FMT)
+    assert isinstance(backend, RedisClusterBackend)
+    async with backend:
+        assert await backend.set_from(keys, pages(keys)) == [True] * 256
+        before = backend.stats().extra["round_trips"]
+        assert await read(backend, keys) == [make_page(k) for k in keys]
+        primaries = cluster.primaries()
+        # two pipelines of max_batch (128) pages, each split into one per primary
+        assert backend.stats().extra["round_trips"] - before == 2 * len(primaries) == 6
+        for primary in primaries:
+            with node(primary.port) as client:
+                assert client.dbsize() > 0
+        assert await backend.exists(keys) == 256
+        assert await backend.delete(keys[:10]) == 10
+        assert await backend.exists(keys) == 0
+        assert backend.stats().extra["max_bytes"] == 0  # no maxmemory on these servers
+        assert backend.stats().extra["used_bytes"] > 0
+
+
+def _slot_owner(cluster: LocalCluster, slot: int) -> int:
+    with node(cluster.primaries()[0].port) as client:
+        for start, end, primary, *_ in client.execute_command("CLUSTER SLOTS"):
+            if start <= slot <= end:
+                return int(primary[1])
+    raise AssertionError(f"slot {slot} has no owner")
+
+
+def _migrate(cluster: LocalCluster, slot: int, *, finish: bool) -> int:
+    """Move `slot` (and its keys) to another primary; unfinished, the source answers ASK."""
+    src = _slot_owner(cluster, slot)
+    dst = next(p.port for p in cluster.primaries() if p.port != src)
+    with node(src) as s, node(dst) as d:
+        src_id, dst_id = s.execute_command("CLUSTER MYID"), d.execute_command("CLUSTER MYID")
+        d.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        s.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        keys = s.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000)
+        if keys:
+            s.migrate("127.0.0.1", dst, keys, 0, 5000)
+        if finish:
+            for primary in cluster.primaries():
+                with node(primary.port) as client:
+                    client.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+    return dst
+
+
+async def test_moved_and_ask_redirections_are_followed(cluster: LocalCluster) -> None:
+    keys = make_keys(2, seed=12)
+    async with RedisClusterBackend(cluster.url(), FMT) as backend:
+        await backend.set_from(keys, pages(keys))
+        name = backend.key_prefix + keys[0]
+        with node(cluster.primaries()[0].port) as client:
+            slot = client.execute_command("CLUSTER KEYSLOT", name)
+        _migrate(cluster, slot, finish=False)  # mid-migration: the source answers ASK
+        assert await read(backend, keys) == [make_page(k) for k in keys]
+        dst = _migrate(cluster, slot, finish=True)  # done: the old owner answers MOVED
+        assert await read(backend, keys) == [make_page(k) for k in keys]
+        assert await backend.set_from(keys, pages(keys)) == [True, True]
+        assert _slot_owner(cluster, slot) == dst
+        with node(dst) as client:
+            assert client.exists(name) == 1
+        assert backend.stats().errors == 0
+
+
+async def test_a_killed_primary_costs_its_pages_until_its_replica_takes_over() -> None:
+    keys = make_keys(300, seed=13)
+    with started(LocalCluster()) as own:
+        async with RedisClusterBackend(own.url(), FMT, socket_timeout=1.0,
+                                       connect_timeout=0.5) as backend:
+            assert await backend.set_from(keys, pages(keys)) == [True] * 300
+            victim = own.primaries()[0]  # also the first seed of the URL
+            victim.kill()
+            killed_at = time.monotonic()
+            partial_reads = 0
+            while True:
+                got = await read(backend, keys)
+                for key, page in zip(keys, got, strict=True):
+                    assert page in (None, make_page(key)), "wrong KV after a failover"
+                stored = await backend.set_from(keys, pages(keys))
+                if None not in got and all(stored):
+                    break
+                partial_reads += 0 < sum(p is not None for p in got) < 300
+                assert time.monotonic() - killed_at < 20, "the replica never took over"
+                await asyncio.sleep(0.2)
+            assert partial_reads > 0  # served the other nodes' pages while one was down
+            stats = backend.stats()
+            assert stats.errors > 0 and stats.extra["node_failures"] > 0
+            assert len(own.primaries()) == 3  # the replica is a primary now
+            # pages written after the takeover are served, and the lost ones rewritten
+            assert await read(backend, keys) == [make_page(k) for k in keys]
