@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import tempfile
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -192,6 +193,52 @@ def bench_transfer_cmd(pages: list[int], ctas: list[int], total_mb: int, repeat:
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(format_transfer(report, ctas))
+
+
+@bench.command("serve")
+@click.argument("trace", default="mooncake")
+@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=120,
+              show_default=True, help="The trace's first N requests.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Sessions in flight at once.")
+@click.option("--max-tokens", type=click.IntRange(1, 4096), default=4, show_default=True,
+              help="Tokens generated per request.")
+@click.option("--block-tokens", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Token ids per trace block (scales the trace's prompts down).")
+@click.option("--l1", "l1", type=click.IntRange(min=1), default=16384, show_default=True,
+              help="Cache run: L1 tokens.")
+@click.option("--l2", "l2", type=click.IntRange(min=0), default=65536, show_default=True,
+              help="Cache run: L2 tokens.")
+@click.option("--l3", "l3", default="none", show_default=True, callback=_l3_url,
+              help="Cache run: L3 URL, 'tmp' (a temporary file store) or 'none'.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def bench_serve_cmd(trace: str, num_requests: int, concurrency: int, max_tokens: int,
+                    block_tokens: int, l1: int, l2: int, l3: str, as_json: bool) -> None:
+    """TTFT and throughput over HTTP, with the cache vs recompute only, on one trace.
+
+    Starts `aiohicache serve` twice on this machine (the tiny random Llama): with the cache,
+    then with --no-cache, and sends both the same multi-turn sessions from TRACE ("mooncake",
+    a Mooncake .jsonl or a kv-cache-tester .jsonl.gz) with real concurrency.
+    """
+    from .bench.serve import ServeBenchConfig, bench_modes, format_serve, sessions_from_trace
+
+    try:
+        requests = load_trace(trace, limit=num_requests)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    sessions = sessions_from_trace(requests, block_tokens=block_tokens, vocab_size=32000)
+    prompts = [len(p) for s in sessions for p in s]
+    title = (f"aiohicache bench serve: {trace}, {len(prompts)} requests in {len(sessions)} "
+             f"sessions, {concurrency} at once, prompts {min(prompts)}..{max(prompts)} tokens "
+             f"(mean {sum(prompts) / len(prompts):.0f}), {max_tokens} generated each; cache "
+             f"L1={l1} L2={l2} tokens, L3={l3}")
+    with tempfile.TemporaryDirectory(prefix="aiohicache-l3-") as tmp:
+        url = f"file://{tmp}" if l3 == "tmp" else l3
+        config = ServeBenchConfig(concurrency=concurrency, max_tokens=max_tokens,
+                                  block_tokens=block_tokens,
+                                  server_args=("--l1", str(l1), "--l2", str(l2), "--l3", url))
+        results = bench_modes(sessions, config)
+    click.echo(format_serve(results, title=title, as_json=as_json))
 
 
 @bench.command("tree")
@@ -403,8 +450,7 @@ def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int,
 
     def ready(url: str) -> None:
         mode = "no cache (recompute)" if no_cache else f"cache L1={l1} L2={l2} L3={l3} tokens"
-        click.echo(f"aiohicache serve: {name} on {url} ({mode})")
-        click.get_text_stream("stdout").flush()
+        click.echo(f"aiohicache serve: {name} on {url} ({mode})")  # echo flushes
 
     with asyncio.Runner(loop_factory=loop_factory(loop)) as runner, \
             contextlib.suppress(KeyboardInterrupt):
