@@ -1,0 +1,298 @@
+"""An SGLang HiCache storage backend over aiohicache's stores (file, Redis): checksummed,
+key-bound pages, a miss rather than wrong KV.
+
+SGLang loads it as its ``dynamic`` backend::
+
+    python -m sglang.launch_server --model-path ... --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "aiohicache",
+            "module_path": "aiohicache.sglang_plugin", "class_name": "AiohicacheStorage",
+            "interface_v1": 1, "storage_url": "file:///var/cache/aiohicache"}'
+
+SGLang calls the backend from its prefetch and backup threads; the stores are asyncio. One
+event loop runs on a thread of this backend's own, and every call is handed to it
+(``run_coroutine_threadsafe``) and waited for by the calling thread, so SGLang's threads block
+as they expect while the loop serves them all concurrently.
+
+Each SGLang page is one store object of the host pool's flat page bytes, under a key derived
+from SGLang's page hash and the model and TP shard (MLA: one copy for all ranks). Its header
+binds the key, the model and the page layout, and a checksum covers the payload
+(`aiohicache.storage.base`): a damaged, moved or foreign object is a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from .storage import BackendStats, PageFormat, StorageBackend, backend_from_url
+
+try:  # subclass SGLang's base class where SGLang is installed: its factory checks for it
+    from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-found]
+        HiCacheStorage as _Base,
+    )
+except ImportError:  # not installed: the same protocol, duck-typed
+    _Base = object
+
+__all__ = ("AiohicacheStorage", "StorageStats")
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DEFAULT_URL = "file:///tmp/aiohicache-sglang"
+
+
+@dataclass
+class StorageStats:
+    """What `get_stats` returns: SGLang's ``StorageMetrics`` fields (pages and GB/s of each
+    prefetch and backup batch since the last call), plus the store's counters."""
+
+    prefetch_pgs: list[int] = field(default_factory=list)
+    backup_pgs: list[int] = field(default_factory=list)
+    prefetch_bandwidth: list[float] = field(default_factory=list)
+    backup_bandwidth: list[float] = field(default_factory=list)
+    backend: BackendStats | None = None
+
+
+class _LoopThread:
+    """An event loop on a daemon thread; `run` executes a coroutine there and blocks the
+    calling thread for its result (at most `timeout` seconds: then it is cancelled)."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, make: Callable[[], Awaitable[T]], timeout: float | None) -> T:
+        async def call() -> T:
+            return await make()
+
+        future = asyncio.run_coroutine_threadsafe(call(), self.loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class AiohicacheStorage(_Base):  # type: ignore[misc]
+    """SGLang's ``HiCacheStorage`` over an aiohicache store.
+
+    Args:
+        storage_config: SGLang's ``HiCacheStorageConfig``; read: ``tp_rank``, ``tp_size``,
+            ``is_mla_model``, ``model_name`` and ``extra_config`` keys ``storage_url``
+            (default ``file:///tmp/aiohicache-sglang``; ``redis://host:port/db`` too),
+            ``storage_options`` (keyword arguments of the store, e.g. ``capacity_bytes``)
+            and ``timeout_s`` (per call, default 30).
+        kwargs: what SGLang's factory passes beside the config (unused).
+
+    Every batch call returns a list (never None: SGLang's prefetch thread would stop for
+    good); a failing store is a miss (False) and is logged.
+    """
+
+    def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        self.url = str(extra.get("storage_url", DEFAULT_URL))
+        self.options = dict(extra.get("storage_options") or {})
+        self.timeout_s = float(extra.get("timeout_s", 30.0))
+        mla = bool(getattr(storage_config, "is_mla_model", False))
+        shard = "mla" if mla else (f"tp={storage_config.tp_rank}/{storage_config.tp_size}")
+        self.namespace = f"sglang|{getattr(storage_config, 'model_name', None) or ''}|{shard}"
+        self.mem_pool_host: Any = None
+        self._backend: StorageBackend | None = None
+        self._stored: set[str] = set()  # keys this process wrote, for clear()
+        self._stats = StorageStats()
+        self._lock = threading.Lock()
+        self._loop = _LoopThread(f"aiohicache-sglang-{shard}")
+
+    # ---------------------------------------------------------------- setup and teardown
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Adopt SGLang's host pool: its flat page is the unit stored; the store opens here."""
+        self.mem_pool_host = mem_pool_host
+        page = mem_pool_host.get_dummy_flat_data_page()
+        layout = getattr(mem_pool_host, "layout", "?")
+        fmt = PageFormat.make(
+            namespace=self.namespace, page_size=int(mem_pool_host.page_size),
+            spec_fingerprint=f"sglang|{page.dtype}|{tuple(page.shape)}|{layout}",
+            payload_bytes=page.numel() * page.element_size())
+
+        async def build() -> StorageBackend:  # on the loop: a store may bind to it
+            return backend_from_url(self.url, fmt, **self.options)
+
+        self._backend = self._loop.run(build, self.timeout_s)
+        log.info("aiohicache storage for SGLang: %s, %d-byte pages", self.url,
+                 fmt.payload_bytes)
+
+    def close(self) -> None:
+        """Close the store and stop the loop thread (SGLang calls it on detach)."""
+        backend, self._backend = self._backend, None
+        if backend is not None:
+            try:
+                self._loop.run(backend.aclose, self.timeout_s)
+            except Exception:
+                log.exception("aiohicache storage: closing %s failed", self.url)
+        self._loop.stop()
+
+    # ---------------------------------------------------------------- zero-copy batch API
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many of `keys`, from the first, are stored (0 if the store fails)."""
+        if not keys:
+            return 0
+        got = self._call("exists", lambda b: b.exists(self._keys(keys)), 0)
+        return int(got)
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        """Read each page into the host pool at ``host_indices[i * page_size]``."""
+        start = time.perf_counter()
+        staging = self._staging(len(keys))
+        ok = self._call("get", lambda b: b.get_into(self._keys(keys), _views(staging)),
+                        [False] * len(keys))
+        pool = self.mem_pool_host
+        for i, filled in enumerate(ok):
+            if filled:
+                pool.set_from_flat_data_page(int(host_indices[i * pool.page_size]),
+                                             staging[i].view(self._page_dtype))
+        self._record("prefetch", ok, start)
+        return list(ok)
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        """Store the host pool's pages at ``host_indices[i * page_size]`` under `keys`."""
+        start = time.perf_counter()
+        pool = self.mem_pool_host
+        staging = self._staging(len(keys))
+        for i in range(len(keys)):
+            page = pool.get_data_page(int(host_indices[i * pool.page_size]), flat=True)
+            staging[i].copy_(page.contiguous().view(torch.uint8))
+        ok = self._call("set", lambda b: b.set_from(self._keys(keys), _views(staging)),
+                        [False] * len(keys))
+        self._remember(keys, ok)
+        self._record("backup", ok, start)
+        return list(ok)
+
+    # ---------------------------------------------------------------- per-key API
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None,
+            target_sizes: Any = None) -> torch.Tensor | None:
+        """The flat page stored under `key`, read into `target_location` if given (a flat
+        page tensor), else into a new one; None if absent or invalid."""
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        targets = list(target_locations or [None] * len(keys))
+        staging = self._staging(len(keys))
+        ok = self._call("get", lambda b: b.get_into(self._keys(keys), _views(staging)),
+                        [False] * len(keys))
+        out: list[torch.Tensor | None] = []
+        for i, filled in enumerate(ok):
+            if not filled:
+                out.append(None)
+                continue
+            page = staging[i].view(self._page_dtype)
+            target = targets[i]
+            out.append(page.clone() if target is None else target.copy_(page.view_as(target)))
+        return out
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        """Store each flat page tensor of `values` under its key; True if all were stored."""
+        if values is None or len(values) != len(keys):
+            return False
+        staging = self._staging(len(keys))
+        for i, value in enumerate(values):
+            staging[i].copy_(value.contiguous().view(torch.uint8).reshape(-1))
+        ok = self._call("set", lambda b: b.set_from(self._keys(keys), _views(staging)),
+                        [False] * len(keys))
+        self._remember(keys, ok)
+        return all(ok)
+
+    # ---------------------------------------------------------------- admin
+
+    def clear(self) -> None:
+        """Delete every page this process stored (the store may hold others' pages too)."""
+        with self._lock:
+            keys, self._stored = sorted(self._stored), set()
+        if keys:
+            self._call("delete", lambda b: b.delete(keys), 0)
+
+    def get_stats(self) -> StorageStats:
+        """Batches since the last call (then forgotten) and the store's counters."""
+        with self._lock:
+            stats, self._stats = self._stats, StorageStats()
+        if self._backend is not None:
+            stats.backend = self._backend.stats()
+        return stats
+
+    # ---------------------------------------------------------------- internals
+
+    @property
+    def _page_dtype(self) -> torch.dtype:
+        dtype: torch.dtype = self.mem_pool_host.get_dummy_flat_data_page().dtype
+        return dtype
+
+    def _keys(self, keys: Sequence[str]) -> list[str]:
+        """Store keys: SGLang's page hash bound to this model and shard, as 64 hex digits."""
+        prefix = self.namespace.encode() + b"|"
+        return [hashlib.blake2b(prefix + k.encode(), digest_size=32).hexdigest() for k in keys]
+
+    def _staging(self, num_pages: int) -> torch.Tensor:
+        backend = self._require()
+        return torch.empty((num_pages, backend.fmt.payload_bytes), dtype=torch.uint8)
+
+    def _require(self) -> StorageBackend:
+        if self._backend is None:
+            raise RuntimeError("aiohicache storage: register_mem_pool_host() first (or closed)")
+        return self._backend
+
+    def _call(self, what: str, op: Callable[[StorageBackend], Awaitable[T]], failed: T) -> T:
+        """Run ``op(store)`` on the loop thread; on any error log it and return `failed`."""
+        backend = self._require()
+        try:
+            return self._loop.run(lambda: op(backend), self.timeout_s)
+        except Exception:
+            log.warning("aiohicache storage: %s on %s failed; a miss", what, self.url,
+                        exc_info=True)
+            return failed
+
+    def _remember(self, keys: Sequence[str], ok: Sequence[bool]) -> None:
+        with self._lock:
+            self._stored.update(k for k, stored in zip(self._keys(keys), ok, strict=True)
+                                if stored)
+
+    def _record(self, kind: str, ok: Sequence[bool], start: float) -> None:
+        """Note a prefetch or backup batch: pages done and GB/s."""
+        done = sum(ok)
+        seconds = max(time.perf_counter() - start, 1e-9)
+        gbps = done * self._require().fmt.payload_bytes / seconds / 1e9
+        with self._lock:
+            getattr(self._stats, f"{kind}_pgs").append(done)
+            getattr(self._stats, f"{kind}_bandwidth").append(gbps)
+
+
+def _views(staging: torch.Tensor) -> list[memoryview]:
+    return [memoryview(row.numpy()) for row in staging]
