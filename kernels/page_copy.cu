@@ -11,28 +11,49 @@
 // moves chunk_bytes from
 //   src + src_pages[i] * src_page_stride + kv * src_kv_stride + layer * src_layer_stride
 // to the same expression on the dst side. MHA has num_kv = 2 (K and V), MLA num_kv = 1.
-// Layers [layer_begin, layer_end) are copied: one layer (layer-wise load) or all of them.
+// Layers [layer_begin, layer_begin + layers) are copied: one layer (layer-wise load) or all.
 //
+// - One argument, a `CopyParams` struct by value (the host packs it with numpy: see
+//   aiohicache/transfer/kernels.py, PARAMS_DTYPE, which must match it field for field).
 // - Indices are page ids (int64, device memory), not token ids: page_size times fewer than a
 //   token-index kernel reads.
-// - A negative index on either side skips the pair (padding in a fixed-size batch).
-// - Work is a flat range of VEC-byte units, item-major: consecutive threads take consecutive
-//   units, so a warp reads and writes one contiguous run of a chunk (or the ends of two), and
-//   a chunk of any size, 16 B to 288 KB, keeps every lane busy.
-// - Each thread issues UNROLL loads before its stores: a PCIe read is latency-bound, and
-//   bandwidth = bytes in flight / round trip, so the loads must overlap.
+// - A negative index on either side skips the pair (padding in a fixed-size batch). Ids
+//   beyond the pools are refused on the host before launch; the kernel does not check.
+// - Work mapping: a *group* of 2^group_shift lanes (4..32, chosen by the host from the chunk
+//   size) takes one chunk at a time. The group decodes (page, kv, layer) and loads both page
+//   ids once per chunk; then its lanes stride over the chunk's VEC-byte units, so a group's
+//   accesses are contiguous (a 4-lane group of 16-byte units: 64 B; 8 lanes: 128 B, one
+//   PCIe transaction). Small chunks (page 1, short rows) get small groups and keep every lane
+//   busy; large chunks get whole warps.
+// - Each lane issues UNROLL independent loads before its UNROLL stores (no branch between
+//   them on full steps): a PCIe read is latency-bound, and bandwidth = bytes in flight /
+//   round trip. UNROLL scales with the vector width, so every variant keeps 64 B in flight
+//   per lane (16 B x 4, 8 B x 8, 4 B x 16; 2 B and 1 B vectors are capped at 16).
+// - No division per unit: within a chunk a lane only adds; the two divisions that decode a
+//   chunk index (by num_kv * layers and by layers) run once per chunk.
 // - The grid is a CTA *budget* chosen by the caller (e.g. 1..32) so the copy leaves the
-//   forward pass its SMs; threads stride over the units.
+//   forward pass its SMs; groups stride over the chunks.
 // - Streaming cache hints (ld/st .cs): KV passes through once; the forward pass keeps L2.
 // - copy_pages_v16 needs src, dst, every stride and chunk_bytes to be multiples of 16;
 //   _v8, _v4, _v2 and _v1 likewise. The engine picks the widest that fits (576 B and 656 B
 //   rows are multiples of 16; _v1 covers any byte layout).
-// - Unit and item counters are 32-bit (the host splits launches at 2^31 units); addresses
-//   are 64-bit.
-// No headers: CuPy compiles this with NVRTC, which has none; CI compile-checks it with both
-// nvcc and NVRTC.
+// - Chunk and unit counters are 32-bit (the host splits launches at 2^31 chunks; a chunk is
+//   far below 2^31 units); addresses are 64-bit, so pools past 4 GiB are fine.
+// No headers: CuPy compiles this with NVRTC, which has none; CI compile-checks it with nvcc,
+// NVRTC, and as host C++ (tests/page_copy_host.cpp runs it on the CPU).
 
-#define AIOHICACHE_UNROLL 4
+struct CopyParams {
+    unsigned long long src, dst;              // base addresses, in copy direction
+    unsigned long long src_pages, dst_pages;  // device addresses of the int64 page ids
+    long long src_page, src_kv, src_layer;    // byte strides of the source side
+    long long dst_page, dst_kv, dst_layer;    // byte strides of the destination side
+    unsigned int num_chunks;                  // pages * num_kv * layers
+    unsigned int num_kv;
+    unsigned int layers;
+    int layer_begin;
+    unsigned int units_per_chunk;             // chunk_bytes / VEC
+    unsigned int group_shift;                 // lanes per chunk = 1 << group_shift
+};
 
 template <typename Vec>
 __device__ __forceinline__ Vec load_streaming(const Vec* p) { return __ldcs(p); }
@@ -51,84 +72,78 @@ __device__ __forceinline__ unsigned char load_streaming(const unsigned char* p) 
 template <>
 __device__ __forceinline__ void store_streaming(unsigned char* p, unsigned char v) { *p = v; }
 
-struct Side {
-    long long page_stride, kv_stride, layer_stride;
-};
-
-// Byte offset of unit `unit` on one side, or -1 for a skipped item.
-__device__ __forceinline__ long long unit_offset(
-        unsigned int unit, unsigned int units_per_chunk, unsigned int vec_bytes,
-        const long long* __restrict__ pages, const Side& side, unsigned int num_kv,
-        unsigned int layers, int layer_begin) {
-    const unsigned int item = unit / units_per_chunk;
-    const unsigned int within = unit - item * units_per_chunk;
-    const unsigned int per_page = num_kv * layers;
-    const unsigned int i = item / per_page;
-    const unsigned int rest = item - i * per_page;
-    const unsigned int kv = rest / layers;
-    const unsigned int layer = layer_begin + (rest - kv * layers);
-    const long long page = pages[i];
-    if (page < 0) {
-        return -1;
-    }
-    return page * side.page_stride + (long long)kv * side.kv_stride
-           + (long long)layer * side.layer_stride + (long long)within * vec_bytes;
-}
-
-template <typename Vec>
-__device__ __forceinline__ void copy_pages(
-        const char* __restrict__ src, char* __restrict__ dst,
-        const long long* __restrict__ src_pages, const long long* __restrict__ dst_pages,
-        unsigned int num_pages, unsigned int num_kv, int layer_begin, int layer_end,
-        const Side& s, const Side& d, unsigned int units_per_chunk) {
-    const unsigned int layers = layer_end - layer_begin;
-    const unsigned int total = num_pages * num_kv * layers * units_per_chunk;
-    const unsigned int stride = gridDim.x * blockDim.x;
-    const unsigned int vec = sizeof(Vec);
-    for (unsigned int base = blockIdx.x * blockDim.x + threadIdx.x; base < total;
-         base += stride * AIOHICACHE_UNROLL) {
-        Vec v[AIOHICACHE_UNROLL];
-        long long out[AIOHICACHE_UNROLL];
+// One chunk: `units` VEC-byte units from `from` to `to`, lanes `lane`, `lane + lanes`, ...
+template <typename Vec, int UNROLL>
+__device__ __forceinline__ void copy_chunk(const Vec* __restrict__ from, Vec* __restrict__ to,
+                                           unsigned int units, unsigned int lane,
+                                           unsigned int lanes) {
+    const unsigned int step = lanes * UNROLL;
+    unsigned int k = lane;
+    // Full steps: UNROLL unconditional loads, then the stores.
+    for (; k + (UNROLL - 1) * lanes < units; k += step) {
+        Vec v[UNROLL];
 #pragma unroll
-        for (int u = 0; u < AIOHICACHE_UNROLL; ++u) {
-            const unsigned int unit = base + u * stride;
-            out[u] = -1;
-            if (unit < total) {
-                const long long from = unit_offset(unit, units_per_chunk, vec, src_pages, s,
-                                                   num_kv, layers, layer_begin);
-                const long long to = unit_offset(unit, units_per_chunk, vec, dst_pages, d,
-                                                 num_kv, layers, layer_begin);
-                if (from >= 0 && to >= 0) {
-                    v[u] = load_streaming(reinterpret_cast<const Vec*>(src + from));
-                    out[u] = to;
-                }
+        for (int u = 0; u < UNROLL; ++u) {
+            v[u] = load_streaming(from + k + u * lanes);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            store_streaming(to + k + u * lanes, v[u]);
+        }
+    }
+    // The tail: at most UNROLL - 1 units per lane, predicated.
+    if (k < units) {
+        Vec v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (k + u * lanes < units) {
+                v[u] = load_streaming(from + k + u * lanes);
             }
         }
 #pragma unroll
-        for (int u = 0; u < AIOHICACHE_UNROLL; ++u) {
-            if (out[u] >= 0) {
-                store_streaming(reinterpret_cast<Vec*>(dst + out[u]), v[u]);
+        for (int u = 0; u < UNROLL; ++u) {
+            if (k + u * lanes < units) {
+                store_streaming(to + k + u * lanes, v[u]);
             }
         }
     }
 }
 
-#define AIOHICACHE_COPY_PAGES(NAME, VEC)                                                      \
-    extern "C" __global__ void NAME(                                                          \
-            const char* src, char* dst, const long long* src_pages,                           \
-            const long long* dst_pages, unsigned int num_pages, unsigned int num_kv,          \
-            int layer_begin, int layer_end, long long src_page_stride,                        \
-            long long src_kv_stride, long long src_layer_stride, long long dst_page_stride,   \
-            long long dst_kv_stride, long long dst_layer_stride,                              \
-            unsigned int units_per_chunk) {                                                   \
-        const Side s = {src_page_stride, src_kv_stride, src_layer_stride};                    \
-        const Side d = {dst_page_stride, dst_kv_stride, dst_layer_stride};                    \
-        copy_pages<VEC>(src, dst, src_pages, dst_pages, num_pages, num_kv, layer_begin,       \
-                        layer_end, s, d, units_per_chunk);                                    \
+template <typename Vec, int UNROLL>
+__device__ __forceinline__ void copy_pages(const CopyParams& p) {
+    const unsigned int thread = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned int lanes = 1u << p.group_shift;
+    const unsigned int lane = thread & (lanes - 1);
+    const unsigned int groups = (gridDim.x * blockDim.x) >> p.group_shift;
+    const unsigned int per_page = p.num_kv * p.layers;
+    const long long* __restrict__ src_pages = reinterpret_cast<const long long*>(p.src_pages);
+    const long long* __restrict__ dst_pages = reinterpret_cast<const long long*>(p.dst_pages);
+    for (unsigned int chunk = thread >> p.group_shift; chunk < p.num_chunks; chunk += groups) {
+        const unsigned int i = chunk / per_page;
+        const unsigned int rest = chunk - i * per_page;
+        const unsigned int kv = rest / p.layers;
+        const unsigned int layer = p.layer_begin + (rest - kv * p.layers);
+        const long long sp = src_pages[i];
+        const long long dp = dst_pages[i];
+        if (sp < 0 || dp < 0) {
+            continue;  // uniform across the group: every lane read the same ids
+        }
+        const char* from = reinterpret_cast<const char*>(p.src) + sp * p.src_page
+                           + (long long)kv * p.src_kv + (long long)layer * p.src_layer;
+        char* to = reinterpret_cast<char*>(p.dst) + dp * p.dst_page
+                   + (long long)kv * p.dst_kv + (long long)layer * p.dst_layer;
+        copy_chunk<Vec, UNROLL>(reinterpret_cast<const Vec*>(from), reinterpret_cast<Vec*>(to),
+                                p.units_per_chunk, lane, lanes);
+    }
+}
+
+#define AIOHICACHE_COPY_PAGES(NAME, VEC, UNROLL)                                              \
+    extern "C" __global__ void NAME(const CopyParams params) {                                \
+        copy_pages<VEC, UNROLL>(params);                                                      \
     }
 
-AIOHICACHE_COPY_PAGES(copy_pages_v16, uint4)
-AIOHICACHE_COPY_PAGES(copy_pages_v8, uint2)
-AIOHICACHE_COPY_PAGES(copy_pages_v4, unsigned int)
-AIOHICACHE_COPY_PAGES(copy_pages_v2, unsigned short)
-AIOHICACHE_COPY_PAGES(copy_pages_v1, unsigned char)
+AIOHICACHE_COPY_PAGES(copy_pages_v16, uint4, 4)
+AIOHICACHE_COPY_PAGES(copy_pages_v8, uint2, 8)
+AIOHICACHE_COPY_PAGES(copy_pages_v4, unsigned int, 16)
+AIOHICACHE_COPY_PAGES(copy_pages_v2, unsigned short, 16)
+AIOHICACHE_COPY_PAGES(copy_pages_v1, unsigned char, 16)

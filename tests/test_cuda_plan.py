@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import mmap
 import subprocess
 import sys
 import threading
+import types
 
 import numpy as np
 import pytest
 import torch
 
-from aiohicache import ConfigError
+from aiohicache import ConfigError, KVSpec
+from aiohicache.errors import PageError
 from aiohicache.memory import DevicePool, HostPool
 from aiohicache.memory.pinned import Registration
 from aiohicache.transfer import geometry, kernels
@@ -26,6 +29,7 @@ from aiohicache.transfer._waiter import EventWaiter
 from aiohicache.transfer.geometry import (
     Geometry,
     Side,
+    check_page_ids,
     coalesce,
     direct_copies,
     kernel_launches,
@@ -34,22 +38,47 @@ from aiohicache.transfer.geometry import (
 
 from . import transfer_matrix as tm
 from .conftest import until
-from .cuda_reference import Memory, run_direct, run_kernel
+from .cuda_reference import Memory, host_kernel, run_direct, run_kernel
+
+HOST = host_kernel()
+needs_gxx = pytest.mark.skipif(HOST is None, reason="g++ not installed")
+KERNEL_RUNNERS = ["kernel-numpy", *(["kernel-host"] if HOST is not None else [])]
+"""`kernel-host` runs kernels/page_copy.cu itself (as host C++), `kernel-numpy` its twin."""
 
 
 def emulate(dev: DevicePool, host: HostPool, src: np.ndarray, dst: np.ndarray, *,
-            to_device: bool, backend: str, max_pitch: int = 1 << 31) -> None:
-    """Run the engine's launch plan for one copy on CPU memory (what the GPU would do)."""
+            to_device: bool, backend: str, max_pitch: int = 1 << 31, ctas: int = 4,
+            threads: int = 512) -> None:
+    """Run the engine's launch plan for one copy on CPU memory (what the GPU would do).
+
+    `backend`: ``kernel-host`` (the real kernel source), ``kernel-numpy`` or ``kernel``
+    (its numpy twin), or ``direct``.
+    """
     g = Geometry.of(dev, host)
+    if backend.startswith("kernel"):
+        ids = np.concatenate([src, dst]).astype(np.int64)
+        memory = Memory(dev.data, host.data, ids)
+        table = kernels.LaunchTable(g, to_device=to_device, width=g.vector_width(), ctas=ctas,
+                                    threads=threads)
+        plan = table.plan(len(src), ids.ctypes.data, ids.ctypes.data + 8 * len(src))
+        for span in plan.spans:
+            for i in span:
+                run_launch(memory, backend, plan.width, plan.grids[i], threads,
+                           plan.params[i:i + 1])
+        return
     memory = Memory(dev.data, host.data)
     for span in layer_spans(g.num_layers, to_device=to_device):
-        if backend == "kernel":
-            for launch in kernel_launches(g, len(src), to_device=to_device,
-                                          width=g.vector_width(), layers=span):
-                run_kernel(memory, launch, src, dst)
-        else:
-            run_direct(memory, list(direct_copies(g, coalesce(src, dst), to_device=to_device,
-                                                  layers=span, max_pitch=max_pitch)))
+        run_direct(memory, list(direct_copies(g, coalesce(src, dst), to_device=to_device,
+                                              layers=span, max_pitch=max_pitch)))
+
+
+def run_launch(memory: Memory, backend: str, width: int, grid: int, threads: int,
+               params: np.ndarray) -> None:
+    if backend == "kernel-host":
+        assert HOST is not None
+        HOST.launch(width, grid, threads, params)
+    else:
+        run_kernel(memory, width, params)
 
 
 @pytest.mark.parametrize("layout", tm.LAYOUTS)
@@ -58,13 +87,18 @@ def emulate(dev: DevicePool, host: HostPool, src: np.ndarray, dst: np.ndarray, *
 @pytest.mark.parametrize("dtype", tm.DTYPES)
 def test_launch_plans_copy_exactly_what_the_cpu_engine_copies(
         dtype: str, model: str, page_size: int, layout: str) -> None:
+    dev, host = tm.cpu_pools(model, dtype, page_size, layout)  # type: ignore[arg-type]
+    ref_dev, ref_host = tm.cpu_pools(model, dtype, page_size, layout)  # type: ignore[arg-type]
+    fresh = dev.data.clone(), host.data.clone()
     for to_device in (True, False):
         for order in tm.ORDERS:
-            for backend in ("kernel", "direct"):
-                dev, host = tm.cpu_pools(model, dtype, page_size, layout)  # type: ignore[arg-type]
-                ref_dev, ref_host = tm.cpu_pools(model, dtype, page_size, layout)  # type: ignore[arg-type]
-                src, dst = tm.page_pairs(order, to_device=to_device)
-                tm.reference_copy(ref_dev, ref_host, src, dst, to_device=to_device)
+            src, dst = tm.page_pairs(order, to_device=to_device)
+            ref_dev.data.copy_(fresh[0])
+            ref_host.data.copy_(fresh[1])
+            tm.reference_copy(ref_dev, ref_host, src, dst, to_device=to_device)
+            for backend in (*KERNEL_RUNNERS, "direct"):
+                dev.data.copy_(fresh[0])
+                host.data.copy_(fresh[1])
                 emulate(dev, host, src, dst, to_device=to_device, backend=backend)
                 where = f"{backend} {'H2D' if to_device else 'D2H'} {order}"
                 assert tm.same_bytes(dev.data, ref_dev.data), where
@@ -91,11 +125,12 @@ def test_odd_rows_take_the_widest_vector_that_divides_every_address(
     assert tm.same_bytes(dev.data, ref_dev.data)
 
 
-def test_a_negative_page_id_skips_the_pair() -> None:
+@pytest.mark.parametrize("backend", KERNEL_RUNNERS)
+def test_a_negative_page_id_skips_the_pair(backend: str) -> None:
     dev, host = tm.cpu_pools("mha", "bf16", 16, "layer_first")
     before = dev.data.clone()
     src, dst = np.array([0, -1, 2, 3]), np.array([4, 5, -1, 6])
-    emulate(dev, host, src, dst, to_device=True, backend="kernel")
+    emulate(dev, host, src, dst, to_device=True, backend=backend)
     ref_dev, ref_host = tm.cpu_pools("mha", "bf16", 16, "layer_first")
     tm.reference_copy(ref_dev, ref_host, np.array([0, 3]), np.array([4, 6]), to_device=True)
     assert tm.same_bytes(dev.data, ref_dev.data)
@@ -103,18 +138,52 @@ def test_a_negative_page_id_skips_the_pair() -> None:
     assert coalesce(src, dst) == [(0, 4, 1), (3, 6, 1)]
 
 
-def test_launches_split_to_keep_32_bit_unit_counters(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(geometry, "MAX_UNITS", 1000)  # a page here is 384 units
+@pytest.mark.parametrize("backend", KERNEL_RUNNERS)
+@pytest.mark.parametrize("to_device", [True, False], ids=["H2D", "D2H"])
+def test_launches_split_to_keep_32_bit_chunk_counters(monkeypatch: pytest.MonkeyPatch,
+                                                      backend: str, to_device: bool) -> None:
+    monkeypatch.setattr(geometry, "MAX_CHUNKS", 8)  # a page here is 2 chunks per layer
+    monkeypatch.setattr(kernels, "MAX_CHUNKS", 8)
     dev, host = tm.cpu_pools("mha", "bf16", 16, "page_first")
     g = Geometry.of(dev, host)
     launches = kernel_launches(g, 5, to_device=True, width=16, layers=(0, 3))
-    assert [(launch.start, launch.stop) for launch in launches] == [(0, 2), (2, 4), (4, 5)]
-    assert all(launch.units < 1000 for launch in launches)
+    assert [(launch.start, launch.stop) for launch in launches] == [(i, i + 1)
+                                                                    for i in range(5)]
+    launches = kernel_launches(g, 5, to_device=True, width=16, layers=(0, 1))
+    assert [(launch.start, launch.stop) for launch in launches] == [(0, 3), (3, 5)]
+    assert all(launch.num_chunks < 8 for launch in launches)
     ref_dev, ref_host = tm.cpu_pools("mha", "bf16", 16, "page_first")
-    src, dst = tm.page_pairs("random", to_device=True)
-    tm.reference_copy(ref_dev, ref_host, src, dst, to_device=True)
-    emulate(dev, host, src, dst, to_device=True, backend="kernel")
+    src, dst = tm.page_pairs("random", to_device=to_device)
+    tm.reference_copy(ref_dev, ref_host, src, dst, to_device=to_device)
+    emulate(dev, host, src, dst, to_device=to_device, backend=backend)
     assert tm.same_bytes(dev.data, ref_dev.data)
+    assert tm.same_bytes(host.data, ref_host.data)
+
+
+def test_a_launch_table_packs_what_kernel_launches_computes() -> None:
+    dev, host = tm.cpu_pools("mla-656", "fp8", 16, "page_first")
+    g = Geometry.of(dev, host)
+    for to_device in (True, False):
+        table = kernels.LaunchTable(g, to_device=to_device, width=16, ctas=4, threads=512)
+        plan = table.plan(37, 1000, 2000)
+        for s, span in enumerate(layer_spans(g.num_layers, to_device=to_device)):
+            (launch,) = kernel_launches(g, 37, to_device=to_device, width=16, layers=span)
+            (i,) = plan.spans[s]
+            assert plan.params[i:i + 1].tobytes() == \
+                kernels.pack_params(launch, 1000, 2000).tobytes()
+            assert plan.grids[i] == launch.grid(4, 512)
+        empty = table.plan(0, 0, 0)
+        assert all(len(span) == 0 for span in empty.spans)
+
+
+@pytest.mark.parametrize(("chunk_bytes", "width", "lanes"), [
+    (16, 16, 1), (128, 16, 8), (256, 16, 8), (576, 16, 16), (656, 16, 16), (2048, 16, 32),
+    (288 << 10, 16, 32), (24, 8, 4), (6, 2, 4), (3, 1, 4), (4096, 4, 32)])
+def test_a_group_spans_a_pcie_read_and_covers_small_chunks_in_one_pass(
+        chunk_bytes: int, width: int, lanes: int) -> None:
+    units = chunk_bytes // width
+    assert 1 << geometry.group_shift(units, width) == lanes
+
 
 
 def test_direct_copies_merge_runs_and_fall_back_per_page_above_the_pitch_limit() -> None:
@@ -323,3 +392,158 @@ def test_pinning_without_cuda_is_a_config_error() -> None:
         pytest.skip("this machine has CUDA")
     with pytest.raises(ConfigError, match="CUDA"):
         HostPool(tm.spec("mha", "bf16"), num_pages=2, page_size=4, pin_memory=True)
+
+
+# --- the real kernel source on the CPU ----------------------------------------------------
+
+
+def _random_case(rng: np.random.Generator) -> tuple[DevicePool, HostPool, np.ndarray,
+                                                      np.ndarray, bool]:
+    """Random pools (any row width, layout, MHA/MLA, layers) and a copy with skips."""
+    heads = int(rng.choice([1, 2, 3]))
+    head_dim = int(rng.choice([1, 3, 8, 16, 72, 128]))
+    dtype = str(rng.choice(["fp8", "bf16", "fp16"]))
+    page_size = int(rng.choice([1, 2, 16, 64]))
+    layers = int(rng.integers(1, 5))
+    if rng.random() < 0.3:
+        spec = KVSpec.mla(num_layers=layers, kv_lora_rank=512,
+                          rope_dim=int(rng.choice([64, 144])), dtype=dtype)
+    else:
+        spec = KVSpec.mha(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, dtype=dtype)
+    dev_pages, host_pages = int(rng.integers(3, 12)), int(rng.integers(3, 12))
+    dev = DevicePool(spec, num_pages=dev_pages, page_size=page_size)
+    host = HostPool(spec, num_pages=host_pages, page_size=page_size,
+                    layout="page_first" if rng.random() < 0.5 else "layer_first")
+    tm.random_fill(dev, int(rng.integers(1 << 30)))
+    tm.random_fill(host, int(rng.integers(1 << 30)))
+    to_device = bool(rng.random() < 0.5)
+    n = int(rng.integers(1, min(dev_pages, host_pages) + 1))
+    src = rng.choice(host_pages if to_device else dev_pages, n, replace=False)
+    dst = rng.choice(dev_pages if to_device else host_pages, n, replace=False)
+    src[rng.random(n) < 0.15] = -1
+    dst[rng.random(n) < 0.15] = -1
+    return dev, host, src.astype(np.int64), dst.astype(np.int64), to_device
+
+
+@needs_gxx
+@pytest.mark.parametrize("seed", range(40))
+def test_the_real_kernel_source_matches_the_cpu_engine_on_random_cases(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    dev, host, src, dst, to_device = _random_case(rng)
+    ref_dev, ref_host = dev.data.clone(), host.data.clone()
+    ctas, threads = int(rng.choice([1, 2, 3, 4])), int(rng.choice([32, 64, 128, 512]))
+    g = Geometry.of(dev, host)
+    assert HOST is not None
+    stored = HOST.stored_bytes
+    emulate(dev, host, src, dst, to_device=to_device, backend="kernel-host", ctas=ctas,
+            threads=threads)
+    ref = DevicePool(dev.spec, num_pages=dev.num_pages, page_size=dev.page_size)
+    refh = HostPool(host.spec, num_pages=host.num_pages, page_size=host.page_size,
+                    layout=host.layout)
+    ref.data.copy_(ref_dev)
+    refh.data.copy_(ref_host)
+    keep = (src >= 0) & (dst >= 0)
+    tm.reference_copy(ref, refh, src[keep], dst[keep], to_device=to_device)
+    assert tm.same_bytes(dev.data, ref.data)
+    assert tm.same_bytes(host.data, refh.data)
+    if g.vector_width() >= 4:  # __stcs counts: every copied byte stored exactly once
+        layers = 1 if to_device else g.num_layers
+        per_copy = int(keep.sum()) * g.num_kv * layers * g.chunk_bytes
+        spans = g.num_layers if to_device else 1
+        assert HOST.stored_bytes - stored == per_copy * spans
+
+
+@needs_gxx
+def test_the_real_kernel_addresses_offsets_past_4_gib() -> None:
+    """Pages 4 GiB and more into a pool: the kernel's 64-bit address arithmetic."""
+    size = 5 << 30
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                       | getattr(mmap, "MAP_NORESERVE", 0))
+    try:
+        data = np.frombuffer(region, dtype=np.uint8)
+        base = data.ctypes.data
+        chunk, page = 4096, (1 << 30) + 4096  # a page stride past 2^30: page 4 is past 4 GiB
+        src_side = Side(base, page, chunk, 2 * chunk)  # 2 kv, 2 layers per page
+        dst_side = Side(base + 2 * page + 8 * chunk, 8 * chunk, chunk, 2 * chunk)
+        src_ids = np.array([4, 0, 3], dtype=np.int64)
+        dst_ids = np.array([0, 1, 2], dtype=np.int64)
+        rng = np.random.default_rng(0)
+        for p in src_ids:
+            at = int(p) * page
+            data[at:at + 4 * chunk] = rng.integers(0, 256, 4 * chunk, dtype=np.uint8)
+        launch = geometry.KernelLaunch(16, src_side, dst_side, 0, 3, 2, 0, 2, chunk // 16,
+                                       geometry.group_shift(chunk // 16, 16))
+        ids = np.concatenate([src_ids, dst_ids])
+        params = kernels.pack_params(launch, ids.ctypes.data, ids.ctypes.data + 24)
+        assert HOST is not None
+        HOST.launch(16, 2, 64, params)
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            at, to = int(s) * page, 2 * page + 8 * chunk + int(d) * 8 * chunk
+            assert at + 4 * chunk <= size
+            assert (data[to:to + 4 * chunk] == data[at:at + 4 * chunk]).all(), f"page {s}"
+        assert 4 * page > 1 << 32
+        del data, params, ids
+    finally:
+        region.close()
+
+
+# --- checks before launch -----------------------------------------------------------------
+
+
+def test_page_ids_past_a_pool_are_refused_before_any_copy() -> None:
+    src, dst = check_page_ids([0, -1, 3], [1, 2, -5], src_pages=4, dst_pages=3,
+                              src_name="host pool", dst_name="device pool")
+    assert src.dtype == np.int64 and dst.tolist() == [1, 2, -5]
+    with pytest.raises(PageError, match="7 is past the device pool's 3 pages"):
+        check_page_ids([0, 1], [2, 7], src_pages=4, dst_pages=3, src_name="host pool",
+                       dst_name="device pool")
+    with pytest.raises(PageError, match="4 is past the host pool's 4 pages"):
+        check_page_ids(np.array([4], dtype=np.int32), [0], src_pages=4, dst_pages=3,
+                       src_name="host pool", dst_name="device pool")
+    with pytest.raises(PageError, match="one length"):
+        check_page_ids([0, 1], [2], src_pages=4, dst_pages=3, src_name="a", dst_name="b")
+
+
+# --- versions and cubins ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("driver", "runtime", "nvrtc", "match"), [
+    (12080, 13000, (13, 0), "cupy-cuda12x"),
+    (12090, 12080, (13, 5), "NVRTC 13.5"),
+    (0, 13000, (13, 0), "no CUDA driver"),
+])
+def test_a_driver_older_than_cupy_or_nvrtc_is_a_config_error(
+        driver: int, runtime: int, nvrtc: tuple[int, int], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        kernels.check_versions(driver=driver, runtime=runtime, nvrtc=nvrtc)
+
+
+@pytest.mark.parametrize(("driver", "runtime", "nvrtc"), [
+    (13000, 13020, (13, 5)),  # a newer minor everywhere is fine: cubins, not PTX
+    (12080, 12020, (12, 9)),
+    (13000, 12080, (12, 8)),
+])
+def test_one_major_version_is_enough(driver: int, runtime: int,
+                                     nvrtc: tuple[int, int]) -> None:
+    kernels.check_versions(driver=driver, runtime=runtime, nvrtc=nvrtc)
+
+
+def test_a_cuda_runtime_error_from_cupy_becomes_a_config_error() -> None:
+    class Runtime:
+        @staticmethod
+        def driverGetVersion() -> int:
+            raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is "
+                               "insufficient for CUDA runtime version")
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=Runtime))
+    with pytest.raises(ConfigError, match="insufficient"):
+        kernels.check_cuda(fake)  # type: ignore[arg-type]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_engine_compiles_a_cubin_for_the_device_arch(arch: str) -> None:
+    cubin = kernels.nvrtc_check(arch=arch)
+    assert cubin[:4] == b"\x7fELF"
+    for entry in kernels.kernel_names():
+        assert entry.encode() in cubin

@@ -20,7 +20,9 @@ __all__ = ("CopyPlan", "as_words", "copy_pages")
 class CopyPlan:
     """The page ids of one copy, prepared once and reused for every layer.
 
-    Ids are sorted by destination. Three strategies, cheapest first:
+    Pairs with a negative id on either side are dropped (skipped, as the CUDA kernel skips
+    them); the caller has checked ids against the pools (`geometry.check_page_ids`). Ids are
+    sorted by destination. Three strategies, cheapest first:
     - `runs`: both sides advance by one: one slice copy per run;
     - `dst_runs`: destinations form runs: one ``index_select`` straight into each run (a
       gather with no scatter pass; torch's ``index_copy_`` scatter runs at about a third of
@@ -42,6 +44,9 @@ class CopyPlan:
         assert len(src) == len(dst)
         src = np.ascontiguousarray(src, dtype=np.int64)
         dst = np.ascontiguousarray(dst, dtype=np.int64)
+        if len(src) and (src.min() < 0 or dst.min() < 0):
+            keep = (src >= 0) & (dst >= 0)
+            src, dst = src[keep], dst[keep]
         runs = _runs(src, dst)
         dst_runs = None
         if runs is None:

@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 from ..errors import TransferError
 from ..memory import DevicePool, HostPool, PageIds
 
-__all__ = ("TransferEngine", "TransferHandle")
+__all__ = ("TransferEngine", "TransferHandle", "record_fence", "write_after")
 
 
 class TransferHandle:
@@ -119,6 +119,12 @@ class TransferEngine(Protocol):
 
     Copies must read the source only after the caller's earlier writes to it: the CPU engine
     gets this for free; the CUDA engine makes its stream wait on the producer's stream.
+
+    Optional (the built-in engines have both; `record_fence` and `write_after` cope with
+    engines that do not): ``fence()`` records, at the caller's point in its stream, what a
+    later copy must wait for (None where nothing is needed), and ``load``/``write`` take
+    ``fences=`` (a sequence of them). A negative page id skips its pair; an id past its pool
+    raises `PageError` before anything is copied.
     """
 
     device_pool: DevicePool
@@ -135,3 +141,21 @@ class TransferEngine(Protocol):
     async def aclose(self) -> None:
         """Let submitted copies finish, then release the engine's resources."""
         ...
+
+
+def record_fence(engine: TransferEngine) -> object | None:
+    """``engine.fence()`` if the engine has one: call it where the KV to be copied was
+    produced (at `commit`, on the task that ran the forward pass), keep the result with the
+    write, and pass it to `write_after`."""
+    fence = getattr(engine, "fence", None)
+    return fence() if fence is not None else None
+
+
+def write_after(engine: TransferEngine, device_pages: PageIds, host_pages: PageIds,
+                fences: Sequence[object | None]) -> TransferHandle:
+    """``engine.write`` ordered after `fences` (those of `record_fence`; None entries are
+    dropped, and an engine is passed ``fences=`` only when one is left)."""
+    real = [f for f in fences if f is not None]
+    if not real:
+        return engine.write(device_pages, host_pages)
+    return engine.write(device_pages, host_pages, fences=real)  # type: ignore[call-arg]

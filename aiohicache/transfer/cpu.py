@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import anyio.to_thread
@@ -18,6 +19,7 @@ from ..memory import DevicePool, HostPool, PageIds
 from ._copy import CopyPlan, as_words, copy_pages
 from ._waiter import call_soon_from_thread as _call_soon
 from .base import TransferHandle
+from .geometry import check_page_ids
 
 __all__ = ("CpuTransferEngine", "copy_layer", "word_views")
 
@@ -59,16 +61,34 @@ class CpuTransferEngine:
         self._write = _Stream("aiohicache-write")
         self._closed = False
 
-    def load(self, host_pages: PageIds, device_pages: PageIds) -> TransferHandle:
+    def fence(self) -> None:
+        """No fence is needed: a copy here runs after everything the caller did before."""
+        return None
+
+    def load(self, host_pages: PageIds, device_pages: PageIds, *,
+             fences: Sequence[object] = ()) -> TransferHandle:
+        """Copy host pages into device pages, layer by layer. A negative id skips its pair.
+
+        Raises:
+            PageError: an id is past its pool (nothing is copied).
+        """
         return self._submit(self._load, host_pages, device_pages, to_device=True)
 
-    def write(self, device_pages: PageIds, host_pages: PageIds) -> TransferHandle:
+    def write(self, device_pages: PageIds, host_pages: PageIds, *,
+              fences: Sequence[object] = ()) -> TransferHandle:
+        """Copy device pages into host pages, all layers; ids as for `load`."""
         return self._submit(self._write, device_pages, host_pages, to_device=False)
 
     def _submit(self, stream: _Stream, src: PageIds, dst: PageIds, *,
                 to_device: bool) -> TransferHandle:
         if self._closed:
             raise ClosedError("transfer engine is closed")
+        pools = (self.host_pool, self.device_pool) if to_device \
+            else (self.device_pool, self.host_pool)
+        src, dst = check_page_ids(src, dst, src_pages=pools[0].num_pages,
+                                  dst_pages=pools[1].num_pages,
+                                  src_name="host pool" if to_device else "device pool",
+                                  dst_name="device pool" if to_device else "host pool")
         handle = TransferHandle.for_pages(self.device_pool, len(src))
         loop = asyncio.get_running_loop()
         if handle.nbytes <= self.inline_bytes and stream.pending == 0:

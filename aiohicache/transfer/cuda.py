@@ -8,9 +8,15 @@
 - A load records one CUDA event per layer. `TransferHandle.wait_layer` resolves through a
   waiter thread per stream (see `_waiter`), and `TransferHandle.layer_event` gives the event
   itself, so a compute stream can wait on it on the GPU without any host sync.
-- Before a write the write stream waits for the producer stream (the caller's current stream
-  at submission, or the one given): KV the forward pass is still writing is never copied.
-  Loads do not wait: pages handed out by the cache are not in use by queued GPU work.
+- Fences. A copy waits on the GPU for the work it must follow: the `fences` passed to
+  `load`/`write` (events from `fence()`, recorded where the KV was produced, e.g. at commit),
+  or, without fences, an event recorded at submission on the producer stream (the one
+  given, else the caller's current stream). So a write never copies KV the forward pass is
+  still writing, and a load never overwrites pages that queued work (a zero-fill, attention
+  on re-allocated pages) still touches.
+- Page ids are checked on the host before anything is enqueued (`check_page_ids`).
+- Per layer the host does one ``cuLaunchKernel`` of a pre-packed struct (`LaunchTable`) and
+  one event record; layer events are recycled once their copy has settled.
 
 CuPy is imported when an engine is built, never by ``import aiohicache``.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -29,7 +36,7 @@ from ..memory import DevicePool, HostPool, PageIds
 from . import kernels
 from ._waiter import EventWaiter
 from .base import TransferHandle
-from .geometry import Geometry, coalesce, direct_copies, kernel_launches, layer_spans
+from .geometry import Geometry, check_page_ids, coalesce, direct_copies, layer_spans
 
 __all__ = ("CudaTransferEngine",)
 
@@ -38,15 +45,35 @@ log = logging.getLogger(__name__)
 Backend = Literal["kernel", "direct"]
 
 
+Fence = torch.cuda.Event
+"""What `CudaTransferEngine.fence` returns and `load`/`write` take: a recorded CUDA event."""
+
+
 class _Stream:
-    """A CuPy-created stream, its torch alias, and the thread that awaits its events."""
+    """A CuPy-created stream, its torch alias, the thread that awaits its events, and the
+    events it reuses."""
 
     def __init__(self, cp: Any, device: torch.device, name: str) -> None:
         with cp.cuda.Device(device.index):
             self.cupy = cp.cuda.Stream(non_blocking=True)
         self.torch = torch.cuda.ExternalStream(  # type: ignore[no-untyped-call]
             self.cupy.ptr, device=device)
+        self.ptr: int = self.cupy.ptr
         self.waiter = EventWaiter(name)
+        # NOTE: one event serves every submission-time fence: the stream's wait captures the
+        # event's state when it is issued, so recording it again later is harmless.
+        self.fence = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._free: list[torch.cuda.Event] = []
+
+    def events(self, n: int) -> list[torch.cuda.Event]:
+        """`n` blocking events (the waiter sleeps on them), reused once settled."""
+        take = self._free[-n:] if n else []
+        del self._free[len(self._free) - len(take):]
+        return take + [torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+                       for _ in range(n - len(take))]
+
+    def recycle(self, events: Sequence[torch.cuda.Event]) -> None:
+        self._free.extend(events)
 
 
 class CudaTransferEngine:
@@ -56,12 +83,12 @@ class CudaTransferEngine:
         backend: ``"kernel"`` (copy kernels, `ctas` SMs at most) or ``"direct"`` (copy engines).
         ctas: CTA budget of one kernel launch: the SMs a copy may take from the forward pass.
         threads: threads per CTA (a multiple of 32, at most 1024).
-        producer_stream: the stream whose work a write waits for; default: the current
-            stream when the write is submitted.
+        producer_stream: the stream a copy submitted without fences waits for, and where
+            `fence()` records; default: the caller's current stream at that moment.
 
     Raises:
         ConfigError: the device pool is not on CUDA, the host pool is not pinned, CuPy is
-            missing, or a parameter is out of range.
+            missing, the driver is older than CuPy or NVRTC, or a parameter is out of range.
     """
 
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, *,
@@ -69,6 +96,7 @@ class CudaTransferEngine:
                  producer_stream: torch.cuda.Stream | None = None) -> None:
         _check_args(device_pool, host_pool, backend, ctas, threads)
         cp = kernels.cupy()
+        kernels.check_cuda(cp)  # a CUDA 12 driver under cupy-cuda13x fails here, clearly
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.backend = backend
@@ -83,6 +111,10 @@ class CudaTransferEngine:
         self.width = self.geometry.vector_width(self._host_base)
         self._kernels = kernels.CopyKernels(self.device.index, threads=threads) \
             if backend == "kernel" else None
+        self._tables = {to_device: kernels.LaunchTable(
+            self.geometry, to_device=to_device, width=self.width, ctas=ctas, threads=threads,
+            host_base=self._host_base) for to_device in (True, False)} \
+            if backend == "kernel" else {}
         self._max_pitch = int(cp.cuda.runtime.deviceGetAttribute(
             cp.cuda.runtime.cudaDevAttrMaxPitch, self.device.index))
         self._load = _Stream(cp, self.device, "aiohicache-load-waiter")
@@ -103,72 +135,89 @@ class CudaTransferEngine:
         return (f"<CudaTransferEngine {self.backend} {self.device} ctas={self.ctas} "
                 f"v{self.width}>")
 
-    def load(self, host_pages: PageIds, device_pages: PageIds) -> TransferHandle:
-        return self._submit(self._load, host_pages, device_pages, to_device=True)
+    def fence(self) -> Fence:
+        """An event recorded now on the producer stream (default: the caller's current
+        stream). Pass it to `write` (or `load`) to order that copy after the work queued
+        before this call, e.g. the forward pass that wrote the KV being committed."""
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self.producer_stream or torch.cuda.current_stream(self.device))
+        return event
 
-    def write(self, device_pages: PageIds, host_pages: PageIds) -> TransferHandle:
-        return self._submit(self._write, device_pages, host_pages, to_device=False)
+    def load(self, host_pages: PageIds, device_pages: PageIds, *,
+             fences: Sequence[Fence] = ()) -> TransferHandle:
+        """Copy host pages into device pages, layer by layer, after `fences` (or, without
+        any, after the work queued so far on the producer stream)."""
+        return self._submit(self._load, host_pages, device_pages, fences, to_device=True)
 
-    def _submit(self, stream: _Stream, src: PageIds, dst: PageIds, *,
-                to_device: bool) -> TransferHandle:
+    def write(self, device_pages: PageIds, host_pages: PageIds, *,
+              fences: Sequence[Fence] = ()) -> TransferHandle:
+        """Copy device pages into host pages, all layers, after `fences` (see `load`)."""
+        return self._submit(self._write, device_pages, host_pages, fences, to_device=False)
+
+    def _submit(self, stream: _Stream, src: PageIds, dst: PageIds, fences: Sequence[Fence],
+                *, to_device: bool) -> TransferHandle:
         if self._closed:
             raise ClosedError("transfer engine is closed")
+        pools = (self.host_pool, self.device_pool) if to_device \
+            else (self.device_pool, self.host_pool)
+        src, dst = check_page_ids(src, dst, src_pages=pools[0].num_pages,
+                                  dst_pages=pools[1].num_pages,
+                                  src_name="host pool" if to_device else "device pool",
+                                  dst_name="device pool" if to_device else "host pool")
         handle = TransferHandle.for_pages(self.device_pool, len(src))
-        src = np.ascontiguousarray(src, dtype=np.int64)
-        dst = np.ascontiguousarray(dst, dtype=np.int64)
         try:
-            events, keepalive = self._enqueue(stream, src, dst, to_device)
+            events, keepalive = self._enqueue(stream, src, dst, fences, to_device)
         except Exception as exc:  # a launch error is the copy's error, reported the same way
             log.exception("could not enqueue a page copy")
             asyncio.get_running_loop().call_soon(handle._finish, exc)
             return handle
         handle._events = events if to_device else [events[-1]] * handle.num_layers
+
+        def done(exc: BaseException | None) -> None:
+            handle._events = None  # settled: `layer_event` is None, the events are reused
+            stream.recycle(events)
+            handle._finish(exc)
+
         stream.waiter.watch(events, on_event=handle._layer_done if to_device else _ignore,
-                            on_done=handle._finish, keepalive=keepalive)
+                            on_done=done, keepalive=keepalive)
         return handle
 
-    def _enqueue(self, stream: _Stream, src: PageIds, dst: PageIds,
+    def _enqueue(self, stream: _Stream, src: PageIds, dst: PageIds, fences: Sequence[Fence],
                  to_device: bool) -> tuple[list[torch.cuda.Event], object]:
-        """Put the copy on `stream`: fence, (page ids,) copies, events. Returns the events
+        """Put the copy on `stream`: fences, (page ids,) copies, events. Returns the events
         and what must live until the last of them."""
-        layers = self.geometry.num_layers
+        spans = layer_spans(self.geometry.num_layers, to_device=to_device)
         with torch.cuda.device(self.device):
-            if not to_device:
-                producer = self.producer_stream or torch.cuda.current_stream(self.device)
-                stream.torch.wait_stream(producer)
-            ids = self._upload(stream, src, dst) if self._kernels is not None else None
-            events = []
-            runs = coalesce(src, dst) if ids is None else []
-            for span in layer_spans(layers, to_device=to_device):
-                self._copy(stream, span, to_device, ids, runs, len(src))
-                event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+            for fence in fences:
+                stream.torch.wait_event(fence)
+            if not fences:
+                stream.fence.record(self.producer_stream
+                                    or torch.cuda.current_stream(self.device))
+                stream.torch.wait_event(stream.fence)
+            events = stream.events(len(spans))
+            if self._kernels is not None:
+                ids = self._upload(stream, src, dst)
+                base, n = ids.data_ptr(), len(src)
+                plan = self._tables[to_device].plan(n, base, base + 8 * n)
+                for i, event in enumerate(events):
+                    self._kernels.launch(plan, i, stream.ptr)
+                    event.record(stream.torch)
+                return events, ids
+            runs = coalesce(src, dst)
+            runtime = self._cp.cuda.runtime
+            for span, event in zip(spans, events, strict=True):
+                for c in direct_copies(self.geometry, runs, to_device=to_device, layers=span,
+                                       max_pitch=self._max_pitch):
+                    runtime.memcpy2DAsync(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height,
+                                          runtime.memcpyDefault, stream.ptr)
                 event.record(stream.torch)
-                events.append(event)
-        return events, ids
+        return events, None
 
     def _upload(self, stream: _Stream, src: PageIds, dst: PageIds) -> torch.Tensor:
         """Both page-id arrays to device memory, ordered on `stream` (no host sync)."""
         packed = torch.from_numpy(np.concatenate([src, dst])).pin_memory()
         with torch.cuda.stream(stream.torch):
             return packed.to(self.device, non_blocking=True)
-
-    def _copy(self, stream: _Stream, layers: tuple[int, int], to_device: bool,
-              ids: torch.Tensor | None, runs: list[tuple[int, int, int]], n: int) -> None:
-        if ids is not None:
-            assert self._kernels is not None
-            base = ids.data_ptr()
-            for launch in kernel_launches(self.geometry, n, to_device=to_device,
-                                          width=self.width, layers=layers,
-                                          host_base=self._host_base):
-                src_ids, dst_ids = (base, base + 8 * n)
-                self._kernels.launch(launch, src_ids, dst_ids, ctas=self.ctas,
-                                     stream=stream.cupy)
-            return
-        runtime = self._cp.cuda.runtime
-        for c in direct_copies(self.geometry, runs, to_device=to_device, layers=layers,
-                               max_pitch=self._max_pitch):
-            runtime.memcpy2DAsync(c.dst, c.dpitch, c.src, c.spitch, c.width, c.height,
-                                  runtime.memcpyDefault, stream.cupy.ptr)
 
     async def aclose(self) -> None:
         """Wait for submitted copies, then stop the waiter threads.

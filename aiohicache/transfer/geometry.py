@@ -15,16 +15,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PageError
 from ..memory import DevicePool, HostPool, PageIds
 
-__all__ = ("MAX_UNITS", "VECTOR_WIDTHS", "Copy2D", "Geometry", "KernelLaunch", "Side",
-           "coalesce", "direct_copies", "kernel_launches", "layer_spans")
+__all__ = ("MAX_CHUNKS", "UNROLL", "VECTOR_WIDTHS", "Copy2D", "Geometry", "KernelLaunch",
+           "Side", "check_page_ids", "coalesce", "direct_copies", "group_shift",
+           "kernel_launches", "layer_spans")
 
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)
 """Bytes per access of the kernel variants ``copy_pages_v16`` .. ``copy_pages_v1``."""
-MAX_UNITS = 1 << 31
-"""The kernel counts vector units in 32 bits: one launch moves fewer than this many."""
+UNROLL = {16: 4, 8: 8, 4: 16, 2: 16, 1: 16}
+"""Loads in flight per lane of each variant (kernels/page_copy.cu): 64 B per lane."""
+MAX_CHUNKS = 1 << 31
+"""The kernel counts chunks in 32 bits: one launch moves fewer than this many."""
+PCIE_BYTES = 128
+"""A group's one access should cover a PCIe read of this size where the chunk allows."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +102,8 @@ class KernelLaunch:
     """The arguments of one ``copy_pages_v{width}`` launch over pages ``[start, stop)``.
 
     `src`/`dst` are the sides in copy direction; the page-id arrays are passed separately
-    (they live in device memory).
+    (they live in device memory). A group of ``1 << group_shift`` lanes copies one chunk at
+    a time (see kernels/page_copy.cu).
     """
 
     width: int
@@ -109,30 +115,55 @@ class KernelLaunch:
     layer_begin: int
     layer_end: int
     units_per_chunk: int
+    group_shift: int
 
     @property
     def num_pages(self) -> int:
         return self.stop - self.start
 
     @property
+    def num_chunks(self) -> int:
+        return self.num_pages * self.num_kv * (self.layer_end - self.layer_begin)
+
+    @property
     def units(self) -> int:
-        return self.num_pages * self.num_kv * (self.layer_end - self.layer_begin) \
-            * self.units_per_chunk
+        return self.num_chunks * self.units_per_chunk
+
+    @property
+    def unroll(self) -> int:
+        return UNROLL[self.width]
+
+    def grid(self, ctas: int, threads: int) -> int:
+        """CTAs to launch: the budget, or fewer when the chunks cannot use them all."""
+        return max(1, min(ctas, -(-(self.num_chunks << self.group_shift) // threads)))
+
+
+def group_shift(units_per_chunk: int, width: int) -> int:
+    """log2 of the lanes that copy one chunk together.
+
+    Enough lanes that one pass of UNROLL loads covers the chunk (at most a warp), and at
+    least enough that one access of the group spans `PCIE_BYTES` (or the whole chunk).
+    """
+    need = -(-units_per_chunk // UNROLL[width])
+    floor = min(PCIE_BYTES // width, units_per_chunk)
+    lanes = min(32, max(need, floor, 1))
+    return (lanes - 1).bit_length()
 
 
 def kernel_launches(geometry: Geometry, num_pages: int, *, to_device: bool, width: int,
                     layers: tuple[int, int], host_base: int | None = None) -> list[KernelLaunch]:
-    """The launches copying `num_pages` page pairs over `layers`, split to fit `MAX_UNITS`."""
+    """The launches copying `num_pages` page pairs over `layers`, split to fit `MAX_CHUNKS`."""
     host = geometry.host if host_base is None else geometry.host.rebased(host_base)
     src, dst = (host, geometry.device) if to_device else (geometry.device, host)
     begin, end = layers
     units_per_chunk = geometry.chunk_bytes // width
-    per_page = geometry.num_kv * (end - begin) * units_per_chunk
-    if per_page >= MAX_UNITS:
-        raise ConfigError(f"a page of {per_page} {width}-byte units is too large to copy")
-    step = (MAX_UNITS - 1) // per_page
+    if units_per_chunk >= 1 << 30:
+        raise ConfigError(f"a chunk of {units_per_chunk} {width}-byte units is too large")
+    shift = group_shift(units_per_chunk, width)
+    per_page = geometry.num_kv * (end - begin)
+    step = max(1, (MAX_CHUNKS - 1) // per_page)
     return [KernelLaunch(width, src, dst, lo, min(lo + step, num_pages), geometry.num_kv,
-                         begin, end, units_per_chunk)
+                         begin, end, units_per_chunk, shift)
             for lo in range(0, num_pages, step)]
 
 
@@ -146,6 +177,27 @@ class Copy2D:
     spitch: int
     width: int
     height: int
+
+
+def check_page_ids(src: PageIds, dst: PageIds, *, src_pages: int, dst_pages: int,
+                   src_name: str, dst_name: str) -> tuple[PageIds, PageIds]:
+    """Both id arrays as contiguous int64, checked against the pools before any copy.
+
+    A negative id skips its pair (every engine); an id at or past its pool's page count
+    would read or write outside the pool, so it is refused here, on the host.
+
+    Raises:
+        PageError: the arrays differ in length, or an id is past its pool.
+    """
+    src = np.ascontiguousarray(src, dtype=np.int64)
+    dst = np.ascontiguousarray(dst, dtype=np.int64)
+    if src.ndim != 1 or src.shape != dst.shape:
+        raise PageError(f"page ids: need two 1-D arrays of one length, got shapes "
+                        f"{src.shape} and {dst.shape}")
+    for ids, limit, name in ((src, src_pages, src_name), (dst, dst_pages, dst_name)):
+        if len(ids) and int(ids.max()) >= limit:
+            raise PageError(f"page ids: {int(ids.max())} is past the {name}'s {limit} pages")
+    return src, dst
 
 
 def coalesce(src: PageIds, dst: PageIds) -> list[tuple[int, int, int]]:
