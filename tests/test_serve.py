@@ -210,3 +210,16 @@ def test_the_serve_command_listens_and_answers() -> None:
         proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+async def test_a_prompt_longer_than_the_device_pool_is_computed_without_it() -> None:
+    async with engine(device_tokens=64) as eng, running_server(eng) as url, \
+            aiohttp.ClientSession() as session:
+        long, short = prompt_of(100, 9), prompt_of(40, 10)
+        got = await post(session, url, prompt=long, max_tokens=2, temperature=0)
+        assert got["status"] == 200 and got["usage"]["completion_tokens"] == 2
+        assert eng.metrics.uncached_fallbacks == 1
+        for cached in (0, 32):  # prompts that fit are still cached
+            got = await post(session, url, prompt=short, max_tokens=1, temperature=0)
+            assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+        assert eng.cache is not None and eng.cache.stats().device_pages_leased == 0

@@ -9,6 +9,7 @@ KV never holds up another's compute.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -20,7 +21,7 @@ from typing import Protocol, Self
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .. import ConfigError, HiCache, HiCacheConfig
+from .. import CapacityError, ConfigError, HiCache, HiCacheConfig
 from .._concurrency import finish_then_cancel
 from ..hf import HFAdapter, forward, kv_spec
 
@@ -107,6 +108,8 @@ class Metrics:
     running: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    uncached_fallbacks: int = 0
+    """Requests computed without the cache: the device pool had no room for them."""
     hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(_TTFT_BUCKETS))
     ttft_sum: float = 0.0
@@ -133,6 +136,8 @@ class Metrics:
             f"aiohicache_prompt_tokens_total {self.prompt_tokens}",
             "# TYPE aiohicache_generated_tokens_total counter",
             f"aiohicache_generated_tokens_total {self.generated_tokens}",
+            "# TYPE aiohicache_uncached_fallbacks_total counter",
+            f"aiohicache_uncached_fallbacks_total {self.uncached_fallbacks}",
             "# TYPE aiohicache_hit_tokens_total counter",
             *(f'aiohicache_hit_tokens_total{{tier="{t}"}} {n}' for t, n in self.hit_tokens.items()),
             "# TYPE aiohicache_ttft_seconds histogram",
@@ -239,19 +244,32 @@ class Engine:
 
     async def _cached(self, prompt: list[int], params: SamplingParams,
                       usage: Usage) -> AsyncIterator[int]:
+        """Generate over the cache; a prompt the device pool has no room for right now (too
+        long, or the pool pinned by other requests) is computed without it instead."""
         adapter, cache = self._adapter, self.cache
         assert adapter is not None and cache is not None
         async with cache.fetch(prompt) as hit:
-            usage.tiers = {"L1": hit.num_device_hit_tokens, "L2": hit.num_host_hit_tokens,
-                           "L3": hit.num_storage_hit_tokens}
-            usage.cached_tokens = hit.num_cached_tokens
-            out = await adapter.prefill(hit, prompt)
-            fed = list(prompt)
-            async for token in self._decode(out.logits[0, -1], out.past_key_values, params,
-                                            fed):
-                yield token
-            if self.config.commit_output:
-                await adapter.commit_decoded(hit, out, fed)
+            try:
+                out = await adapter.prefill(hit, prompt)
+            except CapacityError as exc:
+                log.info("no device room for a %d-token prompt, computed uncached: %s",
+                         len(prompt), exc)
+                self.metrics.uncached_fallbacks += 1
+                out = None
+            if out is not None:
+                usage.tiers = {"L1": hit.num_device_hit_tokens, "L2": hit.num_host_hit_tokens,
+                               "L3": hit.num_storage_hit_tokens}
+                usage.cached_tokens = out.num_reused_tokens
+                fed = list(prompt)
+                async for token in self._decode(out.logits[0, -1], out.past_key_values,
+                                                params, fed):
+                    yield token
+                if self.config.commit_output:
+                    with contextlib.suppress(CapacityError):  # the output is not cached
+                        await adapter.commit_decoded(hit, out, fed)
+                return
+        async for token in self._uncached(prompt, params, usage):
+            yield token
 
     async def _uncached(self, prompt: list[int], params: SamplingParams,
                         usage: Usage) -> AsyncGenerator[int, None]:
