@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 import torch
 
-from aiohicache import CpuTransferEngine, KVSpec, TransferError, TransferHandle
+from aiohicache import ConfigError, CpuTransferEngine, KVSpec, TransferError, TransferHandle
+from aiohicache.errors import PageError
 from aiohicache.memory import DevicePool, HostPool
 from aiohicache.transfer._copy import CopyPlan, copy_pages
+from aiohicache.transfer.base import record_fence, write_after
 
 SPECS = {
     "mha-bf16": KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=16, dtype="bf16"),
@@ -124,3 +127,132 @@ async def test_cancelling_one_waiter_does_not_cancel_the_transfer() -> None:
     handle._finish()
     await second
     assert handle.done()
+
+
+# --- page ids: negative skips, past the pool refused (as the CUDA engine) ------------------
+
+
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 30], ids=["thread", "inline"])
+@pytest.mark.parametrize("order", ["contiguous", "random"])
+async def test_a_negative_page_id_skips_its_pair_instead_of_wrapping(
+        inline_bytes: int, order: str) -> None:
+    spec = SPECS["mha-bf16"]
+    dev = DevicePool(spec, num_pages=8, page_size=4)
+    host = HostPool(spec, num_pages=8, page_size=4, layout="page_first")
+    random_fill(dev, 1)
+    random_fill(host, 2)
+    dev_before, host_before = dev.data.clone(), host.data.clone()
+    src = np.array([1, 2, -1, 4, 5]) if order == "contiguous" else np.array([6, -1, 0, 3, 7])
+    dst = np.array([2, 3, 4, -3, 6]) if order == "contiguous" else np.array([1, 5, -1, 2, 7])
+    keep = (src >= 0) & (dst >= 0)
+    engine = CpuTransferEngine(dev, host, inline_bytes=inline_bytes)
+    try:
+        await engine.write(src, dst).wait()
+        await engine.load(dst, src).wait()
+    finally:
+        await engine.aclose()
+    written = set(dst[keep].tolist())
+    for p in range(8):
+        expect = dev_before[:, :, src[keep][dst[keep] == p][0]] if p in written \
+            else host_before[p]
+        assert torch.equal(host.data[p].view(torch.uint8), expect.view(torch.uint8)), p
+    loaded = set(src[keep].tolist())
+    for p in range(8):
+        if p not in loaded:
+            assert torch.equal(dev.data[:, :, p].view(torch.uint8),
+                               dev_before[:, :, p].view(torch.uint8)), p
+
+
+@pytest.mark.parametrize("to_device", [True, False], ids=["load", "write"])
+async def test_a_page_id_past_its_pool_is_refused_before_any_copy(to_device: bool) -> None:
+    spec = SPECS["mla-656B"]
+    dev = DevicePool(spec, num_pages=4, page_size=2)
+    host = HostPool(spec, num_pages=6, page_size=2)
+    random_fill(dev, 1)
+    random_fill(host, 2)
+    dev_before, host_before = dev.data.clone(), host.data.clone()
+    engine = CpuTransferEngine(dev, host)
+    try:
+        with pytest.raises(PageError, match="device pool's 4 pages"):
+            if to_device:
+                engine.load(np.array([0, 1]), np.array([2, 4]))
+            else:
+                engine.write(np.array([0, 4]), np.array([2, 3]))
+        with pytest.raises(PageError, match="host pool's 6 pages"):
+            if to_device:
+                engine.load(np.array([0, 6]), np.array([2, 3]))
+            else:
+                engine.write(np.array([0, 1]), np.array([1 << 40, 3]))
+    finally:
+        await engine.aclose()
+    assert torch.equal(dev.data.view(torch.uint8), dev_before.view(torch.uint8))
+    assert torch.equal(host.data.view(torch.uint8), host_before.view(torch.uint8))
+
+
+# --- fences ---------------------------------------------------------------------------------
+
+
+class FencedEngine(CpuTransferEngine):
+    """Records the fences its writes were given."""
+
+    def __init__(self, dev: DevicePool, host: HostPool) -> None:
+        super().__init__(dev, host)
+        self.given: list[tuple[object, ...]] = []
+        self.made = 0
+
+    def fence(self) -> object:  # type: ignore[override]
+        self.made += 1
+        return ("fence", self.made)
+
+    def write(self, device_pages: np.ndarray, host_pages: np.ndarray, *,
+              fences: Sequence[object] = ()) -> TransferHandle:
+        self.given.append(tuple(fences))
+        return super().write(device_pages, host_pages, fences=fences)
+
+
+class PlainEngine(CpuTransferEngine):
+    """An engine written before fences: `write` takes no keyword."""
+
+    def write(self, device_pages: np.ndarray,  # type: ignore[override]
+              host_pages: np.ndarray) -> TransferHandle:
+        return super().write(device_pages, host_pages)
+
+
+async def test_fences_recorded_at_commit_reach_the_write_and_engines_without_them_work() -> None:
+    spec = SPECS["mha-bf16"]
+    dev = DevicePool(spec, num_pages=4, page_size=2)
+    host = HostPool(spec, num_pages=4, page_size=2)
+    assert CpuTransferEngine(dev, host).fence() is None
+    fenced = FencedEngine(dev, host)
+    plain = PlainEngine(dev, host)
+    try:
+        first, second = record_fence(fenced), record_fence(fenced)
+        await write_after(fenced, np.array([0]), np.array([1]), [first, None, second]).wait()
+        await write_after(fenced, np.array([0]), np.array([1]), [None]).wait()
+        assert fenced.given == [(("fence", 1), ("fence", 2)), ()]
+        assert record_fence(plain) is None
+        await write_after(plain, np.array([0]), np.array([1]), [record_fence(plain)]).wait()
+    finally:
+        await fenced.aclose()
+        await plain.aclose()
+
+
+# --- pool index helpers ---------------------------------------------------------------------
+
+
+def test_slot_arithmetic_stays_in_numpy_and_index_tensors_come_from_it() -> None:
+    dev = DevicePool(SPECS["mha-bf16"], num_pages=8, page_size=4)
+    pages = np.array([5, 2], dtype=np.int64)
+    slots = dev.page_slots(pages)
+    assert isinstance(slots, np.ndarray) and slots.dtype == np.int64
+    assert slots.tolist() == [20, 21, 22, 23, 8, 9, 10, 11]
+    tensor = dev.index_tensor(slots[:6])
+    assert tensor.dtype == torch.int64 and tensor.device == dev.device
+    assert tensor.tolist() == slots[:6].tolist()
+    assert torch.equal(dev.pages_to_slots(pages), torch.from_numpy(slots))
+    assert dev.slots_to_pages(slots[:6]).tolist() == [5, 2]  # numpy in: no device copy
+    assert dev.slots_to_pages(slots[:6].astype(np.int32)).tolist() == [5, 2]
+    with pytest.raises(ConfigError, match="whole pages"):
+        dev.slots_to_pages(slots[1:])
+    with pytest.raises(ConfigError, match="1-D"):
+        dev.slots_to_pages(slots.reshape(2, 4))

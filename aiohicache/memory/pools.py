@@ -94,23 +94,51 @@ class DevicePool(_PagePool):
             raise ConfigError(f"spec: this buffer exists for {kind.upper()} models only, "
                               f"the pool holds {self.spec.kind.upper()}")
 
-    def pages_to_slots(self, pages: PageIds) -> torch.Tensor:
-        """Token slots (int64, on the pool's device) of the given pages, in order."""
+    def page_slots(self, pages: PageIds) -> np.ndarray:
+        """Token slots (int64 numpy) of the given pages, in order: slot arithmetic stays on
+        the host, where it costs no GPU sync."""
         offsets = np.arange(self.page_size, dtype=np.int64)
-        slots = (pages[:, None] * self.page_size + offsets).reshape(-1)
-        return torch.from_numpy(slots).to(self.device)
+        pages = np.asarray(pages, dtype=np.int64)
+        return (pages[:, None] * self.page_size + offsets).reshape(-1)
 
-    def slots_to_pages(self, slots: torch.Tensor) -> PageIds:
+    def index_tensor(self, values: np.ndarray) -> torch.Tensor:
+        """`values` as an int64 tensor on the pool's device, without a host sync.
+
+        On CUDA the values go through a pinned staging copy (torch's caching host allocator
+        keeps it until the upload is done) and a ``non_blocking`` upload on the current
+        stream, so the tensor is ready for work queued after this call on that stream; the
+        host never waits for the GPU. (``tensor.to(device)`` from pageable memory instead
+        waits for everything queued on the stream, possibly a whole forward pass.)
+        """
+        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def pages_to_slots(self, pages: PageIds) -> torch.Tensor:
+        """Token slots (int64, on the pool's device) of the given pages, in order; no host
+        sync (see `index_tensor`)."""
+        return self.index_tensor(self.page_slots(pages))
+
+    def slots_to_pages(self, slots: torch.Tensor | np.ndarray) -> PageIds:
         """The pages that `slots` fill from their start, page by page.
 
+        `slots` may be a tensor or its numpy twin (`page_slots`). NOTE: a CUDA tensor is
+        copied to the host, which waits for the GPU; pass the numpy slots to avoid that.
+
         Raises:
-            ConfigError: `slots` is not a 1-D integer tensor of whole, page-aligned pages
-                (a trailing partial page is allowed).
+            ConfigError: `slots` is not a 1-D integer tensor (or array) of whole,
+                page-aligned pages (a trailing partial page is allowed).
         """
-        if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (
+        if isinstance(slots, np.ndarray):
+            if slots.ndim != 1 or slots.dtype not in (np.int64, np.int32):
+                raise ConfigError("slots: must be a 1-D int64/int32 array of token slots")
+            arr = slots
+        elif not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (
                 torch.int64, torch.int32):
             raise ConfigError("slots: must be a 1-D int64/int32 tensor of token slots")
-        arr = slots.numpy() if slots.device.type == "cpu" else slots.cpu().numpy()
+        else:
+            arr = slots.numpy() if slots.device.type == "cpu" else slots.cpu().numpy()
         if len(arr) == 0:
             return np.empty(0, dtype=np.int64)
         arr = arr.astype(np.int64, copy=False)
