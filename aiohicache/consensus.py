@@ -138,13 +138,15 @@ class Consensus:
                 self.submit(lambda _: self._cancel(op))
             raise
 
-    def post(self, fn: Callable[[Op], Any], *, lazy: bool = True) -> None:
+    def post(self, fn: Callable[[Op], Any], *, lazy: bool = True) -> Op:
         """Queue `fn` without waiting for it (errors are logged: the caller has gone on).
 
         A lazy op starts no tick of its own: it runs, in log order, at the next tick that
         something else starts (releases between scheduler steps cost no extra collective).
         """
-        self.submit(fn, lazy=lazy).future.add_done_callback(_log_failure)
+        op = self.submit(fn, lazy=lazy)
+        op.future.add_done_callback(_log_failure)
+        return op
 
     def _cancel(self, op: Op) -> None:
         if op in self._waiting:

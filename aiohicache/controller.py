@@ -35,6 +35,7 @@ from .l3 import StorageTier
 from .memory import PageIds
 from .radix import DeviceState, Match, Node, PendingOp, RadixTree
 from .transfer import TransferEngine, TransferHandle
+from .transfer.base import write_after
 
 __all__ = ("Controller", "LoadJob", "TransferCounters", "WriteJob")
 
@@ -91,11 +92,13 @@ class WriteJob(_Job):
     With `demote` (write-back), the nodes' device pages are freed once the copy settles.
     """
 
-    __slots__ = ("demote",)
+    __slots__ = ("demote", "fence")
 
     def __init__(self, *, demote: bool = False) -> None:
         super().__init__()
         self.demote = demote
+        self.fence: object | None = None
+        """Recorded where the KV was produced (`commit`): the copy waits for it (CUDA)."""
 
     def seal(self) -> None:
         self.src = _concat([n.device_pages for n in self.nodes])
@@ -286,6 +289,23 @@ class Controller:
         """Queue a planned write; like `submit_load`."""
         await self._send(self._write_tx, job)
 
+    async def submit_all(self, jobs: Sequence[_Job]) -> None:
+        """Queue planned jobs in order (see `submit_load`).
+
+        Cancellation: this job and every later one are launched at once, past the channels,
+        so no planned node is stranded; then the cancellation propagates.
+        """
+        for i, job in enumerate(jobs):
+            try:
+                if isinstance(job, LoadJob):
+                    await self.submit_load(job)
+                elif isinstance(job, WriteJob):
+                    await self.submit_write(job)
+            except BaseException:
+                for rest in jobs[i + 1:]:
+                    self.launch_now(rest)
+                raise
+
     async def _send(self, tx: MemoryObjectSendStream[J], job: J) -> None:
         # The job's nodes are already in a transitional state: it must reach a worker even if
         # the caller is cancelled, or they would stay LOADING/WRITING for ever. send_nowait
@@ -407,7 +427,9 @@ class Controller:
         self.counters.load_merges += len(batch) - 1
 
     def _launch_writes(self, batch: Sequence[_Job]) -> None:
-        self._launch(batch, self._writes, self.engine.write)
+        fences = [job.fence for job in batch if isinstance(job, WriteJob)]
+        self._launch(batch, self._writes,
+                     lambda src, dst: write_after(self.engine, src, dst, fences))
         self.counters.write_merges += len(batch) - 1
 
     def _launch(self, batch: Sequence[_Job], inflight: deque[Any],
@@ -430,10 +452,9 @@ class Controller:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            if self.tp:
-                self.kick()  # the consensus tick settles what every rank has finished
-            else:
+            if not self.tp:  # with TP, the consensus tick settles what every rank finished
                 self.settle()
+            self.kick()  # tell the executor: waiting operations may finish now
 
     # ------------------------------------------------------------------ the completion point
 

@@ -188,7 +188,8 @@ class StorageTier:
                  tp: bool = False) -> None:
         self.config = config
         self.tp = tp
-        self.kick: Callable[[], None] = lambda: None  # TP: a proposal is ready for the tick
+        self.kick: Callable[[], None] = lambda: None
+        """Tells the executor of news: a prefetch ended, a proposal is ready for the tick."""
         self.tree = tree
         self.host_pool = host_pool
         ps = config.page_size
@@ -542,6 +543,7 @@ class StorageTier:
     def _signal(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
+        self.kick()  # a fetch waiting for this prefetch (or for host pages) may go on
 
     async def drain(self) -> None:
         """Wait until no prefetch or backup is in flight. Cancellation: only the wait."""

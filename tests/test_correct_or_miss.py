@@ -214,11 +214,11 @@ async def test_a_context_holds_one_pin_and_the_check_counts_them() -> None:
     async with cache:
         async with cache.fetch(make_tokens(8)) as hit:
             with pytest.raises(InvariantError, match="pinned already"):
-                cache._pin(hit, None)
-            hit._pin = None  # as if the context had forgotten its pin: a leak
+                cache._core.pins.pin(hit._req, None)
+            pin, hit._req.pin = hit._req.pin, None  # as if the context forgot its pin: a leak
             with pytest.raises(InvariantError, match="outlives"):
                 cache.check_invariants()
-            hit._pin = hit._owner
+            hit._req.pin = pin
         cache.check_invariants()
 
 

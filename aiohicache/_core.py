@@ -1,0 +1,72 @@
+"""`Core`: the collaborators every request operation works on, made once by `HiCache`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from ._leases import Leases
+from ._pins import Pins
+from ._stats import Counters
+from .config import HiCacheConfig
+from .errors import ClosedError
+from .memory import DevicePool, HostPool
+from .radix import RadixTree
+
+if TYPE_CHECKING:
+    from ._executor import Executor
+    from .consensus import Consensus
+    from .controller import Controller
+    from .l3 import StorageTier
+
+__all__ = ("Core",)
+
+
+@dataclass(eq=False)
+class Core:
+    """State shared by the face (`HiCache`, `FetchContext`) and the request operations.
+
+    The pools, tree, leases, pins and counters exist from construction; the controller and
+    the executor from the moment the cache is opened.
+    """
+
+    config: HiCacheConfig
+    device_pool: DevicePool
+    host_pool: HostPool
+    tree: RadixTree
+    storage: StorageTier | None
+    leases: Leases = field(init=False)
+    pins: Pins = field(init=False)
+    counters: Counters = field(default_factory=Counters)
+    controller: Controller | None = None
+    executor: Executor | None = None
+    tp: Consensus | None = None
+    calls_crc: int = 0
+    """TP: CRC of every fetched token sequence, in agreed order (part of the digest)."""
+    state: Literal["new", "open", "closing", "closed"] = "new"
+
+    def __post_init__(self) -> None:
+        self.leases = Leases(self.device_pool.allocator)
+        self.pins = Pins(self.tree)
+
+    def check_open(self) -> Controller:
+        """The controller of an open, healthy cache; else `ClosedError` / `WorkerError`."""
+        if self.state != "open":
+            raise ClosedError(f"the cache is {self.state}")
+        ctl = self.open_controller()
+        ctl.check_healthy()
+        return ctl
+
+    def open_controller(self) -> Controller:
+        if self.controller is None:
+            raise ClosedError("the cache is not open: use 'async with HiCache(config)'")
+        return self.controller
+
+    def run(self) -> Executor:
+        assert self.executor is not None, "the cache is open"
+        return self.executor
+
+    def digest(self) -> tuple[int, ...]:
+        """Cheap numbers that equal caches share; the TP tick compares them across ranks."""
+        return (self.device_pool.allocator.num_free, self.host_pool.allocator.num_free,
+                self.tree.num_nodes, self.leases.count, self.counters.requests, self.calls_crc)

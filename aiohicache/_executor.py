@@ -1,0 +1,132 @@
+"""Executors: how a request operation runs, so each request path is written once.
+
+A request operation is a synchronous function ``fn(op) -> Plan | AGAIN``: it changes the
+cache state at once and returns the copies it planned (or AGAIN: it cannot finish yet, e.g.
+the pool frees pages only when a write-back settles). The executor decides *when* it runs
+and how its copies start:
+
+- `LocalExecutor` (one rank) runs it now, re-runs it whenever the cache has news (a copy
+  settled, a prefetch finished) or its deadline passes, then queues its copies on the
+  controller's channels (backpressure, merging).
+- `TickExecutor` (tensor parallelism) hands it to the consensus tick, which runs it on every
+  rank at the same agreed point and launches its copies there, in the same order everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+import anyio
+
+from .consensus import AGAIN, Consensus, Op
+from .controller import Controller, _Job
+
+__all__ = ("AGAIN", "Executor", "LocalExecutor", "Op", "Plan", "TickExecutor")
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Plan(Generic[T]):
+    """What an operation did: its `result`, and the copies it planned (to start now)."""
+
+    result: T
+    jobs: list[_Job] = field(default_factory=list)
+
+
+
+class Executor(Protocol):
+    async def call(self, fn: Callable[[Op], Plan[T]],
+                   undo: Callable[[T], None] | None = None) -> T:
+        """Run the operation `fn` and start its copies; return its result.
+
+        Cancellation: an operation that has run stays done and its copies start; `undo`
+        (if given) then reverses its effect on the caller's behalf, and the cancellation
+        propagates.
+        """
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run a release nobody waits for (with TP: at the next tick)."""
+
+
+class LocalExecutor:
+    """Runs operations on this event loop, as soon as they can finish."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+        self._news = asyncio.Event()
+
+    def kick(self) -> None:
+        """Something changed that may let a waiting operation finish."""
+        self._news.set()
+        self._news = asyncio.Event()
+
+    async def call(self, fn: Callable[[Op], Plan[T]],
+                   undo: Callable[[T], None] | None = None) -> T:
+        op = Op(fn, undo)
+        while True:
+            news = self._news
+            plan = fn(op)
+            if plan is not AGAIN:
+                break
+            await self._wait(news, op)
+        try:
+            await self.controller.submit_all(plan.jobs)
+        except BaseException:
+            if undo is not None:
+                undo(plan.result)
+            raise
+        return plan.result
+
+    async def _wait(self, news: asyncio.Event, op: Op) -> None:
+        """Until news or `op.deadline`; past the deadline the operation must finish."""
+        left = math.inf if op.deadline is None else op.deadline - time.monotonic()
+        with anyio.move_on_after(left):
+            await news.wait()
+        if op.deadline is not None and time.monotonic() >= op.deadline:
+            op.stop = True
+
+    def post(self, fn: Callable[[], None]) -> None:
+        fn()
+
+
+class TickExecutor:
+    """Runs operations through the consensus tick: on every rank, at the same point."""
+
+    def __init__(self, consensus: Consensus, controller: Controller) -> None:
+        self.consensus = consensus
+        self.controller = controller
+
+    async def call(self, fn: Callable[[Op], Plan[T]],
+                   undo: Callable[[T], None] | None = None) -> T:
+        def at_tick(op: Op) -> Any:
+            plan = fn(op)
+            if plan is AGAIN:
+                return AGAIN
+            for job in plan.jobs:  # launch order = plan order, the same on every rank
+                self.controller.launch_now(job)
+            return plan.result
+
+        result: T = await self.consensus.call(at_tick, undo)
+        return result
+
+    def post(self, fn: Callable[[], None]) -> None:
+        if self.consensus.finished.done():  # no more ticks: nothing to agree with
+            fn()
+            return
+        ran = False
+
+        def at_tick(op: Op) -> None:
+            nonlocal ran
+            ran = True
+            fn()
+
+        def unless_ran(_: object) -> None:
+            if not ran:  # the tick failed first: releases still happen, here
+                fn()
+        self.consensus.post(at_tick).future.add_done_callback(unless_ran)

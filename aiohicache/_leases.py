@@ -1,0 +1,64 @@
+"""Device pages leased to requests: from `allocate` until `commit` takes them or `free`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import PageError
+from .memory import PageAllocator, PageIds
+from .memory._allocator import has_repeats
+
+__all__ = ("ANONYMOUS", "Leases")
+
+ANONYMOUS = -1
+"""The owner of pages leased by `HiCache.allocate` (no fetch context)."""
+
+
+class Leases:
+    """Which owner (a fetch context's id, or `ANONYMOUS`) holds each device page; 0 = none.
+
+    A numpy array indexed by page id: checks of a whole batch of pages are vectorised.
+    """
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self.owner = np.zeros(allocator.capacity, dtype=np.int64)
+        self.count = 0
+        """Pages leased, all owners."""
+
+    def lease(self, pages: PageIds, owner: int) -> None:
+        self.owner[pages] = owner
+        self.count += len(pages)
+
+    def check(self, pages: PageIds) -> None:
+        """Raise `PageError` unless every page is leased, once."""
+        if not self.owner[pages].all() or (len(pages) > 1 and has_repeats(pages)):
+            raise PageError("slots: pages not leased by allocate() (double free or foreign)")
+
+    def check_owner(self, pages: PageIds, owner: int) -> None:
+        """Raise `PageError` unless every page is leased to `owner` or anonymously."""
+        owners = self.owner[pages]
+        if len(pages) and not ((owners == owner) | (owners == ANONYMOUS)).all():
+            raise PageError("slots: not leased by allocate() of this context or of the cache "
+                            "(already committed, freed, or another request's?)")
+
+    def release(self, pages: PageIds, *, free: bool) -> None:
+        """End the leases of `pages`; with `free`, give the pages back to the pool."""
+        if len(pages) == 0:
+            return
+        self.check(pages)
+        self.owner[pages] = 0
+        self.count -= len(pages)
+        if free:
+            self.allocator.free(pages)
+
+    def release_owned(self, pages: PageIds, owner: int) -> None:
+        """Free those of `pages` still leased to `owner` (the user may have freed some)."""
+        self.release(pages[self.owner[pages] == owner], free=True)
+
+    def owned(self, pages: PageIds, owner: int) -> PageIds:
+        owned: PageIds = pages[self.owner[pages] == owner]
+        return owned
+
+    def leased_pages(self) -> PageIds:
+        return np.flatnonzero(self.owner != 0)

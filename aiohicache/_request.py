@@ -1,0 +1,270 @@
+"""One request's state and its operations, each written once and run by an executor.
+
+Every operation is a synchronous state change that returns a `Plan` (its result and the
+copies it planned); `FetchContext` (api.py) hands it to the cache's executor and awaits that
+one call. See `_executor` for how an operation runs with one rank and with TP.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+
+import numpy as np
+import torch
+
+from ._core import Core
+from ._executor import AGAIN, Op, Plan
+from ._invariants import concat_pages
+from ._tokens import Tokens
+from .controller import Controller, LoadJob
+from .errors import CapacityError, ClosedError, ConfigError
+from .l3 import PrefetchJob
+from .memory import PageIds
+from .radix import DeviceState, Match, Node
+from .transfer.base import record_fence
+
+__all__ = ("Request", "alloc_op")
+
+
+def alloc_op(core: Core, num_pages: int, owner: int) -> Plan[PageIds]:
+    """Lease `num_pages` device pages to `owner`, evicting as needed; AGAIN while copies in
+    flight may still free some (write-backs in progress free their pages when they settle)."""
+    ctl = core.check_open()
+    pages = ctl.alloc_device(num_pages)
+    if pages is None:
+        if ctl.demoting_pages or not ctl.idle:
+            return AGAIN  # type: ignore[no-any-return]
+        raise CapacityError(f"cannot allocate {num_pages} device pages: "
+                            f"{core.tree.device_alloc.num_free} free and the rest pinned or "
+                            "in flight")
+    core.leases.lease(pages, owner)
+    return Plan(pages)
+
+
+class Request:
+    """What one fetch context holds: its tokens, pin, leases, cached prefix and loads."""
+
+    _owner_ids = iter(range(1, 2**63))
+
+    def __init__(self, core: Core, tokens: Tokens) -> None:
+        self.core = core
+        self.tokens = tokens
+        self.owner = next(Request._owner_ids)
+        self.pin: int | None = None
+        self.releasing = False  # TP: left; the pin goes at the next tick
+        self.entered = False
+        self.pages: PageIds = np.empty(0, dtype=np.int64)  # device pages of the cached prefix
+        self.jobs: list[LoadJob] = []  # loads the cached prefix waits for
+        self.leases: list[PageIds] = []
+        self.tail: tuple[int, int] | None = None  # leased page being filled, slots used
+        self.num_device_hit_tokens = self.num_host_hit_tokens = 0
+        self.num_storage_hit_tokens = 0
+        self._prefetching: PrefetchJob | None = None
+        self._storage_pages = self._pre_storage_pages = 0
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return len(self.pages) * self.core.config.page_size
+
+    def check_active(self) -> None:
+        if self.pin is None:
+            raise ClosedError("the fetch context is not active (use it inside 'async with')")
+
+    # ------------------------------------------------------------------ enter
+
+    def enter_op(self, op: Op) -> Plan[None]:
+        """Match, ask L3 for what follows (waiting per policy: AGAIN), pin, plan the loads."""
+        core = self.core
+        ctl, storage = core.check_open(), core.storage
+        if self._prefetching is None:
+            core.calls_crc = zlib.crc32(self.tokens.tobytes(), core.calls_crc)
+            match = core.tree.match(self.tokens)
+            job = storage.plan_prefetch(self.tokens, match.path) if storage else None
+            if job is None:
+                return self._plan_enter(match, ctl)
+            assert storage is not None
+            self._prefetching = job
+            wait = storage.wait_seconds(len(self.tokens) - job.start_page * ctl.tree.page_size)
+            if wait and not job.done.is_set():
+                op.deadline = None if math.isinf(wait) else time.monotonic() + wait
+                return AGAIN  # type: ignore[no-any-return]
+        elif not (self._prefetching.done.is_set() or op.stop):
+            return AGAIN  # type: ignore[no-any-return]
+        return self._plan_enter(self._after_prefetch(self._prefetching), ctl)
+
+    def _after_prefetch(self, job: PrefetchJob) -> Match:
+        if job.done.is_set():
+            self._storage_pages = job.inserted
+            self._pre_storage_pages = job.start_page
+        return self.core.tree.match(self.tokens, touch=False)
+
+    def _plan_enter(self, match: Match, ctl: Controller) -> Plan[None]:
+        self.pin = self.core.pins.pin(self, match.last_device_node)
+        try:
+            load = ctl.plan_load(match)
+            self._adopt(match, load)
+            write = ctl.plan_write_through(match.last_device_node)
+        except BaseException:
+            self.release_op()
+            raise
+        return Plan(None, [j for j in (load, write) if j is not None])
+
+    def _adopt(self, match: Match, job: LoadJob | None) -> None:
+        """Record the device prefix (resident, loading, and our own loads) and pin it."""
+        nodes = match.device_nodes + (job.nodes if job is not None else [])
+        if job is not None:
+            self.jobs.append(job)
+            self.core.pins.repin(self.owner, nodes[-1])
+        self.join_loads(match.device_nodes)
+        self.pages = concat_pages([n.device_pages for n in nodes])
+        self._count_hits(match)
+
+    def _count_hits(self, match: Match) -> None:
+        ps, cached = self.core.config.page_size, self.num_cached_tokens
+        resident = sum(n.num_pages for n in match.device_nodes
+                       if n.device_state is DeviceState.RESIDENT) * ps
+        self.num_device_hit_tokens = resident
+        # Tokens past what L1+L2 matched before the prefetch came from L3.
+        beyond = cached - max(resident, self._pre_storage_pages * ps)
+        self.num_storage_hit_tokens = max(0, min(self._storage_pages * ps, beyond))
+        self.num_host_hit_tokens = cached - resident - self.num_storage_hit_tokens
+        c = self.core.counters
+        c.requests += 1
+        c.prompt_tokens += len(self.tokens)
+        c.device_hit_tokens += resident
+        c.host_hit_tokens += self.num_host_hit_tokens
+        c.storage_hit_tokens += self.num_storage_hit_tokens
+
+    def join_loads(self, nodes: list[Node]) -> None:
+        """Depend on the loads still filling `nodes`: `ready`/`layer_ready` wait for them."""
+        known = {id(job) for job in self.jobs}
+        for node in nodes:
+            op = node.load_op
+            if node.device_state is DeviceState.LOADING and isinstance(op, LoadJob) \
+                    and id(op) not in known:
+                known.add(id(op))
+                self.jobs.append(op)
+
+    # ------------------------------------------------------------------ allocate
+
+    def take_tail(self, num_tokens: int) -> tuple[torch.Tensor | None, int]:
+        """Slots from the rest of the partial page this context still leases; tokens left."""
+        ps = self.core.config.page_size
+        if self.tail is not None and self.core.leases.owner[self.tail[0]] != self.owner:
+            self.tail = None  # the partial page was freed (and maybe re-leased): start afresh
+        if self.tail is None:
+            return None, num_tokens
+        page, used = self.tail
+        take = min(num_tokens, ps - used)
+        head = torch.arange(page * ps + used, page * ps + used + take, dtype=torch.int64)
+        if take == num_tokens:
+            self.tail = (page, used + take) if used + take < ps else None
+        return head, num_tokens - take
+
+    def took_pages(self, pages: PageIds, num_tokens: int) -> None:
+        """`allocate` leased `pages` for `num_tokens` (after the partial page, if any)."""
+        ps = self.core.config.page_size
+        self.leases.append(pages)
+        self.tail = (int(pages[-1]), num_tokens % ps) if num_tokens % ps else None
+
+    # ------------------------------------------------------------------ commit
+
+    def commit_op(self, toks: Tokens, pages: PageIds) -> Plan[None]:
+        """Insert `toks` (KV after the cached prefix in `pages`); plan the write-through."""
+        core = self.core
+        ctl = core.check_open()
+        self.check_active()
+        ps = core.config.page_size
+        num_full = len(toks) // ps
+        new_full = num_full - len(self.pages)
+        all_pages = np.concatenate([self.pages, pages[:new_full]])
+        hashes = core.storage.keys(toks[:num_full * ps], self._path()) \
+            if core.storage is not None else None
+        # Insert before the leases end: if it raises, the pages are still leased, not lost.
+        res = core.tree.insert(toks[:num_full * ps], all_pages, start_page=len(self.pages),
+                               hashes=hashes)
+        core.leases.release(pages[:new_full], free=False)
+        self.leases = [kept for p in self.leases if len(kept := core.leases.owned(p, self.owner))]
+        for dup in res.duplicate_pages:
+            core.device_pool.allocator.free(dup)
+        self._keep_tail(toks, pages[new_full:])
+        core.pins.repin(self.owner, res.last_node)
+        if res.last_node is not None:
+            # A page another request is loading replaced ours as a duplicate: our prefix now
+            # reads that load's pages, so `ready`/`layer_ready` must wait for it.
+            self.join_loads(res.last_node.path_to_root())
+            self.pages = concat_pages([n.device_pages
+                                       for n in reversed(res.last_node.path_to_root())])
+        if len(toks) > len(self.tokens):
+            self.tokens = toks
+        write = ctl.plan_write_through(res.last_node)
+        if write is None:
+            return Plan(None)
+        write.fence = record_fence(ctl.engine)  # the copy waits for the KV just produced
+        return Plan(None, [write])
+
+    def _keep_tail(self, toks: Tokens, tail: PageIds) -> None:
+        """The partial tail page stays leased, now to this context, so decoding goes on."""
+        self.tail = None
+        if not len(tail):
+            return
+        leases = self.core.leases
+        adopted = tail[leases.owner[tail] != self.owner]
+        leases.owner[adopted] = self.owner
+        if len(adopted):
+            self.leases.append(adopted)
+        self.tail = (int(tail[0]), len(toks) % self.core.config.page_size)
+
+    def _path(self) -> list[Node]:
+        """The pinned prefix's nodes, root first."""
+        node = self.core.pins.node(self.owner)
+        return node.path_to_root()[::-1] if node is not None else []
+
+    def check_commit(self, toks: Tokens, slots: torch.Tensor) -> PageIds:
+        """The pages of `slots`, after checking `toks` and `slots` fit this context."""
+        cached, common = self.num_cached_tokens, min(len(toks), len(self.tokens))
+        if len(toks) < cached or not np.array_equal(toks[:common], self.tokens[:common]):
+            raise ConfigError("tokens: must be a prefix or an extension of the fetched tokens, "
+                              "and cover the cached prefix")
+        if not isinstance(slots, torch.Tensor) or len(slots) != len(toks) - cached:
+            raise ConfigError(f"slots: need one slot per token after the cached prefix "
+                              f"({len(toks) - cached}), got "
+                              f"{len(slots) if isinstance(slots, torch.Tensor) else slots!r}")
+        pages = self.core.device_pool.slots_to_pages(slots)
+        self.core.leases.check_owner(pages, self.owner)
+        return pages
+
+    def nothing_new(self, toks: Tokens, slots: torch.Tensor) -> bool:
+        """A commit of exactly the cached prefix: nothing to insert."""
+        return (len(slots) == 0 and len(toks) // self.core.config.page_size == len(self.pages)
+                and self.tail is None)
+
+    # ------------------------------------------------------------------ release
+
+    def release_op(self) -> None:
+        """Unpin and free the leases not committed (runs once; later calls do nothing)."""
+        pin, self.pin = self.pin, None
+        leases, self.leases = self.leases, []
+        if pin is not None:
+            self.core.pins.unpin(pin)
+        for pages in leases:
+            self.core.leases.release_owned(pages, self.owner)
+
+    def release(self) -> None:
+        """Leave: the release runs now, or (TP) at the next tick."""
+        executor = self.core.executor
+        if executor is None or (self.pin is None and not self.leases):
+            self.release_op()
+            return
+        pin, leases = self.pin, self.leases
+        self.pin, self.leases = None, []
+        self.releasing = pin is not None
+
+        def release_at_tick() -> None:
+            self.pin, self.leases = pin, leases
+            self.release_op()
+            self.releasing = False
+        executor.post(release_at_tick)
+

@@ -1,0 +1,48 @@
+"""Token ids as the cache keeps them: a fresh 1-D int64 array, checked at the door."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+from .radix._tree import Tokens
+
+__all__ = ("TokenInput", "Tokens", "as_tokens")
+
+TokenInput = Sequence[int] | torch.Tensor | np.ndarray
+
+
+def as_tokens(tokens: TokenInput) -> Tokens:
+    """Token ids as a fresh 1-D int64 array (a copy: the caller may reuse its buffer).
+
+    Ids must fit in int64: a uint64 id of 2**63 or more would wrap to a negative id and
+    match KV committed for another token, so it is refused rather than converted.
+    """
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex \
+                or tokens.dtype == torch.bool:
+            raise ConfigError("tokens: must be a 1-D integer tensor")
+        arr = tokens.detach().cpu().numpy()
+    elif isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence | np.ndarray):
+        raise ConfigError(f"tokens: must be a sequence of ints, got {type(tokens).__name__}")
+    else:
+        try:
+            arr = np.array(tokens)
+        except (ValueError, TypeError) as exc:  # ragged nesting, or ids numpy cannot hold
+            raise ConfigError(f"tokens: must be a 1-D sequence of int token ids ({exc})") \
+                from None
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ConfigError("tokens: must be a 1-D sequence of int token ids (each in int64 "
+                          "range)")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _MAX_TOKEN:
+        raise ConfigError(f"tokens: token id {int(arr.max())} does not fit in int64 "
+                          f"(max {_MAX_TOKEN})")
+    return arr.astype(np.int64, copy=True)
+
+
+_MAX_TOKEN = int(np.iinfo(np.int64).max)
