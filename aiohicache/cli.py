@@ -195,6 +195,17 @@ def bench_transfer_cmd(pages: list[int], ctas: list[int], total_mb: int, repeat:
     click.echo(format_transfer(report, ctas))
 
 
+def _serve_tier_options(f: F) -> F:
+    """``--l1``/``--l2`` (tokens) and ``--l3`` of a server's cache (serve, bench serve)."""
+    f = click.option("--l3", "l3", default="none", show_default=True, callback=_l3_url,
+                     help="L3: a URL (file:///dir, redis://host:port/0, memory://), 'tmp' (a "
+                          "temporary file store) or 'none'.")(f)
+    f = click.option("--l2", "l2", type=click.IntRange(min=0), default=65536,
+                     show_default=True, help="L2 (host pool) capacity in tokens; 0 for none.")(f)
+    return click.option("--l1", "l1", type=click.IntRange(min=1), default=16384,
+                        show_default=True, help="L1 (device pool) capacity in tokens.")(f)
+
+
 @bench.command("serve")
 @click.argument("trace", default="mooncake")
 @click.option("--requests", "num_requests", type=click.IntRange(min=1), default=120,
@@ -205,12 +216,7 @@ def bench_transfer_cmd(pages: list[int], ctas: list[int], total_mb: int, repeat:
               help="Tokens generated per request.")
 @click.option("--block-tokens", type=click.IntRange(min=1), default=1, show_default=True,
               help="Token ids per trace block (scales the trace's prompts down).")
-@click.option("--l1", "l1", type=click.IntRange(min=1), default=16384, show_default=True,
-              help="Cache run: L1 tokens.")
-@click.option("--l2", "l2", type=click.IntRange(min=0), default=65536, show_default=True,
-              help="Cache run: L2 tokens.")
-@click.option("--l3", "l3", default="none", show_default=True, callback=_l3_url,
-              help="Cache run: L3 URL, 'tmp' (a temporary file store) or 'none'.")
+@_serve_tier_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench_serve_cmd(trace: str, num_requests: int, concurrency: int, max_tokens: int,
                     block_tokens: int, l1: int, l2: int, l3: str, as_json: bool) -> None:
@@ -232,13 +238,10 @@ def bench_serve_cmd(trace: str, num_requests: int, concurrency: int, max_tokens:
              f"sessions, {concurrency} at once, prompts {min(prompts)}..{max(prompts)} tokens "
              f"(mean {sum(prompts) / len(prompts):.0f}), {max_tokens} generated each; cache "
              f"L1={l1} L2={l2} tokens, L3={l3}")
-    with tempfile.TemporaryDirectory(prefix="aiohicache-l3-") as tmp:
-        url = f"file://{tmp}" if l3 == "tmp" else l3
-        config = ServeBenchConfig(concurrency=concurrency, max_tokens=max_tokens,
-                                  block_tokens=block_tokens,
-                                  server_args=("--l1", str(l1), "--l2", str(l2), "--l3", url))
-        results = bench_modes(sessions, config)
-    click.echo(format_serve(results, title=title, as_json=as_json))
+    config = ServeBenchConfig(concurrency=concurrency, max_tokens=max_tokens,
+                              block_tokens=block_tokens,
+                              server_args=("--l1", str(l1), "--l2", str(l2), "--l3", l3))
+    click.echo(format_serve(bench_modes(sessions, config), title=title, as_json=as_json))
 
 
 @bench.command("tree")
@@ -414,12 +417,7 @@ def _print_replay(results: list[ReplayResult], trace: str, *, as_json: bool,
               default=None, help="A local HF checkpoint directory (default: a tiny random "
                                  "Llama built in-process; nothing is downloaded).")
 @click.option("--page-size", type=click.IntRange(1, 256), default=16, show_default=True)
-@click.option("--l1", "l1", type=click.IntRange(min=1), default=16384, show_default=True,
-              help="L1 (device pool) capacity in tokens.")
-@click.option("--l2", "l2", type=click.IntRange(min=0), default=65536, show_default=True,
-              help="L2 (host pool) capacity in tokens; 0 for none.")
-@click.option("--l3", "l3", default="none", show_default=True, callback=_l3_url,
-              help="L3: 'none' or a URL (file:///dir, redis://host:port/0, memory://).")
+@_serve_tier_options
 @click.option("--no-cache", is_flag=True,
               help="No cache at all: every prompt is recomputed (a baseline to compare).")
 @click.option("--compute-threads", type=click.IntRange(min=1), default=1, show_default=True,
@@ -437,24 +435,24 @@ def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int,
     from .serve import Engine, EngineConfig, load_model
     from .serve import serve as run_server
 
-    if l3 == "tmp":
-        raise click.BadParameter("'tmp' is for replay; pass a URL or 'none'", param_hint="--l3")
-    config = EngineConfig(page_size=page_size, device_tokens=l1, host_tokens=l2,
-                          storage=None if l3 == "none" else l3, use_cache=not no_cache,
-                          compute_threads=compute_threads)
-    try:
-        model, tokenizer, name = load_model(model_path, seed=seed)
-        engine = Engine(model, tokenizer, config, name=name)
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from exc
+    with tempfile.TemporaryDirectory(prefix="aiohicache-l3-") as tmp:
+        storage = None if l3 == "none" else f"file://{tmp}" if l3 == "tmp" else l3
+        config = EngineConfig(page_size=page_size, device_tokens=l1, host_tokens=l2,
+                              storage=storage, use_cache=not no_cache,
+                              compute_threads=compute_threads)
+        try:
+            model, tokenizer, name = load_model(model_path, seed=seed)
+            engine = Engine(model, tokenizer, config, name=name)
+        except ConfigError as exc:
+            raise click.UsageError(str(exc)) from exc
 
-    def ready(url: str) -> None:
-        mode = "no cache (recompute)" if no_cache else f"cache L1={l1} L2={l2} L3={l3} tokens"
-        click.echo(f"aiohicache serve: {name} on {url} ({mode})")  # echo flushes
+        def ready(url: str) -> None:
+            mode = "no cache (recompute)" if no_cache else f"cache L1={l1} L2={l2} tokens, L3={l3}"
+            click.echo(f"aiohicache serve: {name} on {url} ({mode})")  # echo flushes
 
-    with asyncio.Runner(loop_factory=loop_factory(loop)) as runner, \
-            contextlib.suppress(KeyboardInterrupt):
-        runner.run(run_server(engine, host, port, on_ready=ready))
+        with asyncio.Runner(loop_factory=loop_factory(loop)) as runner, \
+                contextlib.suppress(KeyboardInterrupt):
+            runner.run(run_server(engine, host, port, on_ready=ready))
 
 
 def main() -> None:
