@@ -131,7 +131,7 @@ async def test_bad_requests_get_a_400_naming_the_field(body: dict[str, Any],
 
 
 async def test_a_request_waiting_on_slow_l3_does_not_hold_up_others(tmp_path: Path) -> None:
-    store, slow = f"file://{tmp_path}", 0.4
+    store, slow = f"file://{tmp_path}", 0.6  # exists + get: 1.2 s, in the 2 s prefetch wait
     old = prompt_of(320, 4)
     async with engine(storage=store) as eng, running_server(eng) as url, \
             aiohttp.ClientSession() as session:
