@@ -29,6 +29,17 @@ SMALL = {"vocab_size": 500, "hidden_size": 64, "num_layers": 3, "num_heads": 4,
          "num_kv_heads": 2}
 
 
+@pytest.fixture(autouse=True)
+def one_compute_thread() -> Any:
+    """Bit-identical logits need one reduction order: torch's intra-op thread count is
+    process-wide, and the CPU engine's copy threads set it to 1 when they start (mid-test,
+    between a cached run and its recomputation). Pin it for both sides of the comparison."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def llama() -> PreTrainedModel:
     return tiny_llama(seed=1, **SMALL)
