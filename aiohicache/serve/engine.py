@@ -72,6 +72,10 @@ class EngineConfig:
     commit_output: bool = True
     """Also cache the KV of generated tokens (a next turn that quotes them hits)."""
     compute_threads: int = 1
+    torch_threads: int | None = 1
+    """torch's intra-op threads (process-wide), set when the engine opens; None leaves it.
+    NOTE: 1 by default because the CPU transfer engine's copy thread sets the process-wide
+    count to 1 when it starts: a cache run and a no-cache run then compute alike."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +191,8 @@ class Engine:
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
 
     async def __aenter__(self) -> Self:
+        if self.config.torch_threads is not None:
+            torch.set_num_threads(self.config.torch_threads)
         if self.cache is not None:
             await self.cache.__aenter__()
             self._adapter = HFAdapter(self.model, self.cache, executor=self._executor)
