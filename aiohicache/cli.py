@@ -124,6 +124,8 @@ def bench() -> None:
 @bench.command("core")
 @click.option("--quick", is_flag=True, help="Small sizes: seconds, for smoke tests.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, not tables.")
+@click.option("--max-running", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests generating at once; more wait before touching the cache.")
 @click.option("--torch-threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="torch.set_num_threads() first; 1 matches the CPU engine's copy threads.")
 @loop_option
@@ -422,14 +424,16 @@ def _print_replay(results: list[ReplayResult], trace: str, *, as_json: bool,
               help="No cache at all: every prompt is recomputed (a baseline to compare).")
 @click.option("--compute-threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="Forward passes that run at once.")
+@click.option("--max-running", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests generating at once; more wait before touching the cache.")
 @click.option("--torch-threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="torch's intra-op threads (the CPU copy engine sets 1 process-wide anyway).")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Weights of the tiny random model.")
 @loop_option
 def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int, l2: int,
-          l3: str, no_cache: bool, compute_threads: int, torch_threads: int, seed: int,
-          loop: str) -> None:
+          l3: str, no_cache: bool, compute_threads: int, max_running: int,
+          torch_threads: int, seed: int, loop: str) -> None:
     """OpenAI-compatible completions server: an HF model generating through the cache.
 
     POST /v1/completions (streaming and not), GET /metrics (Prometheus), /health, /v1/models.
@@ -442,7 +446,8 @@ def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int,
         storage = None if l3 == "none" else f"file://{tmp}" if l3 == "tmp" else l3
         config = EngineConfig(page_size=page_size, device_tokens=l1, host_tokens=l2,
                               storage=storage, use_cache=not no_cache,
-                              compute_threads=compute_threads, torch_threads=torch_threads)
+                              compute_threads=compute_threads, max_running=max_running,
+                              torch_threads=torch_threads)
         try:
             model, tokenizer, name = load_model(model_path, seed=seed)
             engine = Engine(model, tokenizer, config, name=name)

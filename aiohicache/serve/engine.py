@@ -72,6 +72,9 @@ class EngineConfig:
     commit_output: bool = True
     """Also cache the KV of generated tokens (a next turn that quotes them hits)."""
     compute_threads: int = 1
+    max_running: int = 8
+    """Requests generating at once (a batch): past it, requests wait their turn before they
+    touch the cache, so waiting requests pin no device pages."""
     torch_threads: int | None = 1
     """torch's intra-op threads (process-wide), set when the engine opens; None leaves it.
     NOTE: 1 by default because the CPU transfer engine's copy thread sets the process-wide
@@ -188,6 +191,7 @@ class Engine:
         self._executor = ThreadPoolExecutor(config.compute_threads,
                                             thread_name_prefix="aiohicache-compute")
         self._adapter: HFAdapter | None = None
+        self._admission = asyncio.Semaphore(config.max_running)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
 
     async def __aenter__(self) -> Self:
@@ -224,6 +228,12 @@ class Engine:
         self._check(prompt, params)
         start = time.perf_counter()
         self.metrics.requests += 1
+        async with self._admission:
+            async for token in self._admitted(prompt, params, usage, start):
+                yield token
+
+    async def _admitted(self, prompt: list[int], params: SamplingParams, usage: Usage,
+                        start: float) -> AsyncIterator[int]:
         self.metrics.running += 1
         try:
             steps = self._cached(prompt, params, usage) if self._adapter is not None \
