@@ -53,7 +53,7 @@ from aiohicache import (
     HiCache,
     TransferHandle,
 )
-from aiohicache.l3 import page_format
+from aiohicache.controller import page_format
 from aiohicache.memory import PageIds
 from aiohicache.storage import chain_keys
 from aiohicache.storage.memory import MemoryBackend
@@ -279,10 +279,12 @@ class HiCacheMachine(RuleBasedStateMachine):
     # ---------------------------------------------------------------- lifecycle
 
     @initialize(page_size=st.sampled_from([2, 4]), device_pages=st.integers(8, 12),
-                host_pages=st.integers(16, 24), eviction=st.sampled_from(["lru", "lfu"]),
+                host_pages=st.integers(16, 24),
+                eviction=st.sampled_from(["lru", "lfu", "arc", ("arc", "lru")]),
                 jitter_seed=st.integers(0, 2**32 - 1), inline_copies=st.booleans())
     def open_cache(self, page_size: int, device_pages: int, host_pages: int,
-                   eviction: str, jitter_seed: int, inline_copies: bool) -> None:
+                   eviction: str | tuple[str, str], jitter_seed: int,
+                   inline_copies: bool) -> None:
         fields: dict[str, Any] = {
             "page_size": page_size, "device_pages": device_pages, "host_pages": host_pages,
             "eviction": eviction, "write_policy": self.WRITE_POLICY,
