@@ -124,8 +124,6 @@ def bench() -> None:
 @bench.command("core")
 @click.option("--quick", is_flag=True, help="Small sizes: seconds, for smoke tests.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, not tables.")
-@click.option("--max-running", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Requests generating at once; more wait before touching the cache.")
 @click.option("--torch-threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="torch.set_num_threads() first; 1 matches the CPU engine's copy threads.")
 @loop_option
