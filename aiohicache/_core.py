@@ -15,9 +15,7 @@ from .radix import RadixTree
 
 if TYPE_CHECKING:
     from ._executor import Executor
-    from .consensus import Consensus
-    from .controller import Controller
-    from .l3 import StorageTier
+    from .controller import Consensus, Controller, StorageTier
 
 __all__ = ("Core",)
 

@@ -23,8 +23,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 
-from .consensus import AGAIN, Consensus, Op
-from .controller import Controller, _Job
+from .controller import AGAIN, Consensus, Controller, Op, _Job
 
 __all__ = ("AGAIN", "Executor", "LocalExecutor", "Op", "Plan", "TickExecutor")
 

@@ -18,9 +18,8 @@ from ._core import Core
 from ._executor import AGAIN, Op, Plan
 from ._invariants import concat_pages
 from ._tokens import Tokens
-from .controller import Controller, LoadJob
+from .controller import Controller, LoadJob, PrefetchJob
 from .errors import CapacityError, ClosedError, ConfigError
-from .l3 import PrefetchJob
 from .memory import PageIds
 from .radix import DeviceState, Match, Node
 from .transfer.base import record_fence

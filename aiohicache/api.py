@@ -33,11 +33,9 @@ from ._request import Request
 from ._stats import CacheStats, snapshot
 from ._tokens import TokenInput, as_tokens
 from .config import HiCacheConfig
-from .consensus import Consensus
-from .controller import Controller
+from .controller import Consensus, Controller, StorageTier
 from .distributed import TPGroup
 from .errors import ClosedError, ConfigError
-from .l3 import StorageTier
 from .memory import DevicePool, HostPool
 from .radix import Node, RadixTree
 from .transfer import CpuTransferEngine, TransferEngine

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from aiohicache import HiCache, l3
-from aiohicache.l3 import page_format
+from aiohicache import HiCache
+from aiohicache.controller import _l3_parts, page_format
+from aiohicache.controller._l3_parts import _MissCache
 from aiohicache.storage.faults import FaultyBackend
 from aiohicache.storage.file import FileBackend
 from aiohicache.storage.memory import MemoryBackend
@@ -156,7 +157,7 @@ def spy_on_copies(monkeypatch: pytest.MonkeyPatch,
         return run
 
     for name, calls in seen.items():
-        monkeypatch.setattr(l3, f"_{name}", spy(getattr(l3, f"_{name}"), calls))
+        monkeypatch.setattr(_l3_parts, f"_{name}", spy(getattr(_l3_parts, f"_{name}"), calls))
     return seen
 
 
@@ -211,7 +212,7 @@ async def test_closing_mid_copy_waits_for_the_copy_before_releasing_its_pages(
 
 
 def test_a_negative_entry_lives_ttl_seconds_and_one_from_the_future_is_expired() -> None:
-    misses = l3._MissCache(ttl=5.0, max_entries=4)
+    misses = _MissCache(ttl=5.0, max_entries=4)
     misses.add(b"k", 100.0)
     assert misses.hit(b"k", 104.9) and not misses.hit(b"k", 105.0)
     assert not misses.hit(b"k", 99.0)  # TP's agreed wall clock stepped back: not trusted

@@ -19,8 +19,8 @@ pytest.importorskip("aiohttp")
 
 import aiohttp
 
+from aiohicache.controller import page_format
 from aiohicache.hf import tiny_llama
-from aiohicache.l3 import page_format
 from aiohicache.serve import (
     ByteTokenizer,
     Engine,

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from aiohicache import CapacityError, CpuTransferEngine, FetchContext, HiCache, HiCacheConfig
-from aiohicache.l3 import page_format
+from aiohicache.controller import page_format
 from aiohicache.storage.faults import FaultyBackend
 from aiohicache.storage.memory import MemoryBackend
 from tests.conftest import SPEC_MHA

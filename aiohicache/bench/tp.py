@@ -87,7 +87,7 @@ def _rank_main(rank: int, size: int, port: int, steps: int, batch: int, queue: A
 async def _measure(rank: int, size: int, steps: int, batch: int) -> dict[str, Any]:
     from ..api import HiCache
     from ..config import HiCacheConfig, KVSpec
-    from ..consensus import _Layout
+    from ..controller._consensus import _Layout
     from ..distributed import TPGroup
 
     group = TPGroup.new(timeout=120)

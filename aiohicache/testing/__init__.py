@@ -46,7 +46,7 @@ def small_config(**overrides: Any) -> HiCacheConfig:
 
 def storage_format(config: HiCacheConfig) -> PageFormat:
     """The page format a cache with `config` expects of a store passed as ``storage=``."""
-    from ..l3 import page_format
+    from ..controller import page_format
 
     return page_format(config)
 

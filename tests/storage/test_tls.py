@@ -16,7 +16,7 @@ import trustme
 
 from aiohicache import HiCache
 from aiohicache._redis_server import RedisServer
-from aiohicache.l3 import page_format
+from aiohicache.controller import page_format
 from aiohicache.storage import StorageError
 from aiohicache.storage.redis import RedisBackend
 from tests.conftest import make_config, make_tokens, prefill

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from aiohicache import CapacityError, ConfigError, HiCache
+from aiohicache.controller import page_format
 from aiohicache.distributed import TPGroup
 from aiohicache.errors import DivergenceError, RankTimeoutError
-from aiohicache.l3 import page_format
 from aiohicache.storage import MemoryBackend
 from aiohicache.storage.faults import FaultyBackend
 

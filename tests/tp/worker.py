@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from aiohicache import CpuTransferEngine, HiCache, HiCacheConfig, KVSpec, TransferHandle
+from aiohicache.controller import page_format
 from aiohicache.distributed import TPGroup
 from aiohicache.errors import CapacityError, HiCacheError
-from aiohicache.l3 import page_format
 from aiohicache.memory import PageIds
 from aiohicache.storage.factory import backend_from_url
 from aiohicache.storage.faults import FaultyBackend

@@ -34,11 +34,12 @@ from typing import Any
 import anyio
 import numpy as np
 
-from .config import HiCacheConfig
-from .controller import Controller
-from .distributed import TPGroup
-from .errors import DivergenceError, HiCacheError, RankTimeoutError, TPError, WorkerError
-from .l3 import TP_SLOTS, StorageTier
+from ..config import HiCacheConfig
+from ..distributed import TPGroup
+from ..errors import DivergenceError, HiCacheError, RankTimeoutError, TPError, WorkerError
+from ._l3_parts import TP_SLOTS
+from ._storage_tier import StorageTier
+from ._transfers import Controller
 
 __all__ = ("AGAIN", "Consensus", "Op")
 

@@ -1,0 +1,96 @@
+"""Planned copies between L1 and L2: load and write jobs, and the transfer counters."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..memory import PageIds
+from ..radix import PendingOp
+from ..transfer import TransferHandle
+
+__all__ = ("LoadJob", "TransferCounters", "WriteJob", "_Job", "_concat")
+
+
+class _Job(PendingOp):
+    """A planned copy: its nodes are in a transitional state until `settle()` applies it."""
+
+    __slots__ = ("dst", "handle", "launched", "src")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.src: PageIds = np.empty(0, dtype=np.int64)
+        self.dst: PageIds = np.empty(0, dtype=np.int64)
+        self.handle: TransferHandle | None = None
+        self.launched: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.src)
+
+    def done(self) -> bool:
+        return self.handle is not None and self.handle.done()
+
+    async def launched_handle(self) -> TransferHandle:
+        """The copy's handle, once a worker has launched it. Cancellation: only the wait."""
+        if self.handle is None:
+            await asyncio.shield(self.launched)
+        assert self.handle is not None
+        return self.handle
+
+    async def wait_layer(self, layer: int) -> None:
+        """Wait until `layer` of this job's pages is in place. Cancellation: only the wait."""
+        await (await self.launched_handle()).wait_layer(layer)
+
+    async def wait(self) -> None:
+        await (await self.launched_handle()).wait()
+
+
+class LoadJob(_Job):
+    """Host->device copy of host-only nodes (now LOADING). src: host pages, dst: device."""
+
+    __slots__ = ()
+
+    def seal(self) -> None:
+        self.src = _concat([n.host_pages for n in self.nodes])
+        self.dst = _concat([n.device_pages for n in self.nodes])
+
+
+class WriteJob(_Job):
+    """Device->host copy of device nodes (now WRITING). src: device pages, dst: host.
+
+    With `demote` (write-back), the nodes' device pages are freed once the copy settles.
+    """
+
+    __slots__ = ("demote", "fence")
+
+    def __init__(self, *, demote: bool = False) -> None:
+        super().__init__()
+        self.demote = demote
+        self.fence: object | None = None
+        """Recorded where the KV was produced (`commit`): the copy waits for it (CUDA)."""
+
+    def seal(self) -> None:
+        self.src = _concat([n.device_pages for n in self.nodes])
+        self.dst = _concat([n.host_pages for n in self.nodes])
+
+
+def _concat(parts: Sequence[PageIds | None]) -> PageIds:
+    arrays = [p for p in parts if p is not None]
+    return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+
+
+@dataclass(slots=True)
+class TransferCounters:
+    """Running totals the controller keeps for `HiCache.stats()`."""
+
+    loaded_bytes: int = 0
+    written_bytes: int = 0
+    loads: int = 0
+    writes: int = 0
+    load_merges: int = 0
+    write_merges: int = 0
+    worker_restarts: int = 0
