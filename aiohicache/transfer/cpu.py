@@ -19,7 +19,7 @@ from ..memory import DevicePool, HostPool, PageIds
 from ._copy import CopyPlan, as_words, copy_pages
 from ._waiter import call_soon_from_thread as _call_soon
 from .base import TransferHandle
-from .geometry import check_page_ids
+from .geometry import check_copy
 
 __all__ = ("CpuTransferEngine", "copy_layer", "word_views")
 
@@ -83,12 +83,8 @@ class CpuTransferEngine:
                 to_device: bool) -> TransferHandle:
         if self._closed:
             raise ClosedError("transfer engine is closed")
-        pools = (self.host_pool, self.device_pool) if to_device \
-            else (self.device_pool, self.host_pool)
-        src, dst = check_page_ids(src, dst, src_pages=pools[0].num_pages,
-                                  dst_pages=pools[1].num_pages,
-                                  src_name="host pool" if to_device else "device pool",
-                                  dst_name="device pool" if to_device else "host pool")
+        src, dst = check_copy(self.device_pool.num_pages, self.host_pool.num_pages, src, dst,
+                              to_device=to_device)
         handle = TransferHandle.for_pages(self.device_pool, len(src))
         loop = asyncio.get_running_loop()
         if handle.nbytes <= self.inline_bytes and stream.pending == 0:

@@ -36,7 +36,7 @@ from ..memory import DevicePool, HostPool, PageIds
 from . import kernels
 from ._waiter import EventWaiter
 from .base import TransferHandle
-from .geometry import Geometry, check_page_ids, coalesce, direct_copies, layer_spans
+from .geometry import Geometry, check_copy, coalesce, direct_copies, layer_spans
 
 __all__ = ("CudaTransferEngine",)
 
@@ -158,12 +158,8 @@ class CudaTransferEngine:
                 *, to_device: bool) -> TransferHandle:
         if self._closed:
             raise ClosedError("transfer engine is closed")
-        pools = (self.host_pool, self.device_pool) if to_device \
-            else (self.device_pool, self.host_pool)
-        src, dst = check_page_ids(src, dst, src_pages=pools[0].num_pages,
-                                  dst_pages=pools[1].num_pages,
-                                  src_name="host pool" if to_device else "device pool",
-                                  dst_name="device pool" if to_device else "host pool")
+        src, dst = check_copy(self.device_pool.num_pages, self.host_pool.num_pages, src, dst,
+                              to_device=to_device)
         handle = TransferHandle.for_pages(self.device_pool, len(src))
         try:
             events, keepalive = self._enqueue(stream, src, dst, fences, to_device)

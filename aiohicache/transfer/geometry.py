@@ -19,7 +19,7 @@ from ..errors import ConfigError, PageError
 from ..memory import DevicePool, HostPool, PageIds
 
 __all__ = ("MAX_CHUNKS", "UNROLL", "VECTOR_WIDTHS", "Copy2D", "Geometry", "KernelLaunch",
-           "Side", "check_page_ids", "coalesce", "direct_copies", "group_shift",
+           "Side", "check_copy", "check_page_ids", "coalesce", "direct_copies", "group_shift",
            "kernel_launches", "layer_spans")
 
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)
@@ -198,6 +198,16 @@ def check_page_ids(src: PageIds, dst: PageIds, *, src_pages: int, dst_pages: int
         if len(ids) and int(ids.max()) >= limit:
             raise PageError(f"page ids: {int(ids.max())} is past the {name}'s {limit} pages")
     return src, dst
+
+
+def check_copy(device_pages: int, host_pages: int, src: PageIds, dst: PageIds, *,
+               to_device: bool) -> tuple[PageIds, PageIds]:
+    """`check_page_ids` for a copy between a device pool and a host pool of these sizes."""
+    if to_device:
+        return check_page_ids(src, dst, src_pages=host_pages, dst_pages=device_pages,
+                              src_name="host pool", dst_name="device pool")
+    return check_page_ids(src, dst, src_pages=device_pages, dst_pages=host_pages,
+                          src_name="device pool", dst_name="host pool")
 
 
 def coalesce(src: PageIds, dst: PageIds) -> list[tuple[int, int, int]]:
