@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev,cuda,serve]"
+	$(BIN)/pip install -q -e ".[dev,cuda,serve,metrics]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("aiohttp")
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from aiohicache.controller import page_format
 from aiohicache.hf import tiny_llama
@@ -108,11 +109,16 @@ async def test_metrics_and_health() -> None:
             assert resp.status == 200 and await resp.json() == {"status": "ok"}
         async with session.get(f"{url}/v1/models") as resp:
             assert (await resp.json())["data"][0]["id"] == "tiny-llama"
-    lines = set(text.splitlines())
-    assert {"aiohicache_requests_total 2", "aiohicache_requests_running 0",
-            "aiohicache_prompt_tokens_total 80", "aiohicache_generated_tokens_total 4",
-            'aiohicache_hit_tokens_total{tier="L1"} 32', 'aiohicache_hit_tokens_total{tier="L2"} 0',
-            'aiohicache_ttft_seconds_bucket{le="+Inf"} 2'} <= lines
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for f in text_string_to_metric_families(text) for s in f.samples}
+    assert {("aiohicache_server_requests_total", ()): 2, ("aiohicache_requests_running", ()): 0,
+            ("aiohicache_server_prompt_tokens_total", ()): 80,
+            ("aiohicache_generated_tokens_total", ()): 4,
+            ("aiohicache_server_hit_tokens_total", (("tier", "L1"),)): 32,
+            ("aiohicache_server_hit_tokens_total", (("tier", "L2"),)): 0,
+            ("aiohicache_ttft_seconds_bucket", (("le", "+Inf"),)): 2,
+            ("aiohicache_hit_tokens_total", (("tier", "L1"),)): 32,  # the cache's own
+            ("aiohicache_health", (("state", "ok"),)): 1}.items() <= got.items()
 
 
 @pytest.mark.parametrize("body, message", [

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._histogram import TransferHistograms
 from ..memory import PageIds
 from ..radix import PendingOp
 from ..transfer import TransferHandle
@@ -94,3 +95,5 @@ class TransferCounters:
     load_merges: int = 0
     write_merges: int = 0
     worker_restarts: int = 0
+    histograms: TransferHistograms = field(default_factory=TransferHistograms)
+    """Bytes and seconds of each settled load (L2 -> L1) and write (L1 -> L2)."""

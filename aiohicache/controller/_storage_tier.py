@@ -39,6 +39,7 @@ import anyio
 import anyio.to_thread
 from anyio.abc import TaskGroup
 
+from .._histogram import TransferHistograms
 from ..config import HiCacheConfig
 from ..errors import HiCacheError
 from ..memory import HostPool, PageIds
@@ -86,6 +87,10 @@ class StorageTier:
         self.breaker = Breaker(failures_to_open=config.storage_failures_to_open,
                                cooldown_s=config.storage_cooldown)
         self.counters = StorageCounters()
+        self.histograms = TransferHistograms()
+        """Bytes and seconds of each L3 read (load, L3 -> L2) and write (store, L2 -> L3)."""
+        self.on_stored: list[Callable[[Node, list[int]], None]] = []
+        """Called as ``hook(node, pages)`` with the indices of `node`'s pages newly in L3."""
         self.reserved_host: dict[int, PageIds] = {}  # prefetch id -> host pages not in tree
         self._inflight: dict[bytes, PrefetchJob] = {}
         self._misses = _MissCache(ttl=config.storage_miss_ttl,
@@ -248,9 +253,12 @@ class StorageTier:
         """
         keys = [k.hex() for k in job.keys[job.start_page:job.start_page + len(pages)]]
         buffers = _PageBuffers(self.host_pool, pages)
+        start = time.perf_counter()
         ok = await self.backend.get_into(keys, buffers.views)
         arrived = next((i for i, good in enumerate(ok) if not good), len(ok))
         await buffers.scatter(arrived)
+        self.histograms.observe_load(arrived * self.config.page_bytes,
+                                     time.perf_counter() - start)
         self.breaker.record_success()
         return arrived
 
@@ -341,11 +349,14 @@ class StorageTier:
         ok = [True] * len(keys)
         pick = [i for i, m in enumerate(mine) if m]
         if pick:
+            start = time.perf_counter()
             buffers = _PageBuffers(self.host_pool, pages[pick])
             await buffers.gather()
             done = await self.backend.set_from([keys[i].hex() for i in pick], buffers.views)
             for i, good in zip(pick, done, strict=True):
                 ok[i] = bool(good)
+            self.histograms.observe_store(len(pick) * self.config.page_bytes,
+                                          time.perf_counter() - start)
         self.breaker.record_success()
         return ok
 
@@ -360,8 +371,13 @@ class StorageTier:
         done = {key for key, good in zip(backup.keys, ok, strict=True) if good}
         for node in backup.nodes:
             if node.alive and node.hashes is not None:
+                was = node.stored or [False] * node.num_pages
                 node.stored = [bool(a) or key in done for a, key in zip(
-                    node.stored or [False] * node.num_pages, node.hashes, strict=True)]
+                    was, node.hashes, strict=True)]
+                if self.on_stored and (new := [i for i, (a, b) in enumerate(
+                        zip(was, node.stored, strict=True)) if b and not a]):
+                    for hook in self.on_stored:
+                        hook(node, new)
         for key in done:  # stored now: a negative-cache entry for it would hide a real hit
             self._misses.discard(key)
         self.counters.backed_up_pages += sum(ok)
@@ -436,10 +452,12 @@ class StorageTier:
     def _fail(self, what: str, exc: Exception) -> None:
         self.counters.errors += 1
         self.breaker.record_failure()
+        extra = {"tier": "L3", "event": "l3_failure", "op": what, "error": type(exc).__name__,
+                 "breaker": self.breaker.state.value}
         if isinstance(exc, HiCacheError | OSError):
-            log.warning("L3 %s failed (a miss): %r", what, exc)
+            log.warning("L3 %s failed (a miss): %r", what, exc, extra=extra)
         else:  # not a backend failure: a bug, made loud, but still only a miss
-            log.exception("L3 %s failed unexpectedly (a miss)", what)
+            log.exception("L3 %s failed unexpectedly (a miss)", what, extra=extra)
 
     @property
     def degraded(self) -> bool:

@@ -404,6 +404,8 @@ class Controller:
             self.tree.end_load(node)
         self.counters.loads += 1
         self.counters.loaded_bytes += job.num_pages * self.config.page_bytes
+        self.counters.histograms.observe_load(job.num_pages * self.config.page_bytes,
+                                              job.handle.seconds)
 
     def _settle_write(self, job: WriteJob) -> None:
         assert job.handle is not None
@@ -418,6 +420,8 @@ class Controller:
             self.storage.queue_backup(job.nodes)
         self.counters.writes += 1
         self.counters.written_bytes += job.num_pages * self.config.page_bytes
+        self.counters.histograms.observe_store(job.num_pages * self.config.page_bytes,
+                                               job.handle.seconds)
 
     def _record_failure(self, handle: TransferHandle) -> bool:
         # A failed copy between L1 and L2 leaves KV of unknown content in pages the tree

@@ -24,6 +24,7 @@ from transformers import DynamicCache, PreTrainedModel
 from .. import CapacityError, ConfigError, HiCache, HiCacheConfig
 from .._concurrency import finish_then_cancel
 from ..hf import HFAdapter, forward, kv_spec
+from ..metrics import render as render_cache_metrics
 
 __all__ = ("ByteTokenizer", "Engine", "EngineConfig", "Metrics", "SamplingParams", "Tokenizer",
            "Usage", "cache_config")
@@ -133,20 +134,22 @@ class Metrics:
                 self.ttft_buckets[i] += 1
 
     def render(self, cache: HiCache | None) -> str:
-        """Prometheus text exposition."""
+        """Prometheus text exposition: the server's metrics (``aiohicache_server_*`` where the
+        cache has one of the same name), then the cache's (`aiohicache.metrics`)."""
         lines = [
-            "# TYPE aiohicache_requests_total counter",
-            f"aiohicache_requests_total {self.requests}",
+            "# TYPE aiohicache_server_requests_total counter",
+            f"aiohicache_server_requests_total {self.requests}",
             "# TYPE aiohicache_requests_running gauge",
             f"aiohicache_requests_running {self.running}",
-            "# TYPE aiohicache_prompt_tokens_total counter",
-            f"aiohicache_prompt_tokens_total {self.prompt_tokens}",
+            "# TYPE aiohicache_server_prompt_tokens_total counter",
+            f"aiohicache_server_prompt_tokens_total {self.prompt_tokens}",
             "# TYPE aiohicache_generated_tokens_total counter",
             f"aiohicache_generated_tokens_total {self.generated_tokens}",
             "# TYPE aiohicache_uncached_fallbacks_total counter",
             f"aiohicache_uncached_fallbacks_total {self.uncached_fallbacks}",
-            "# TYPE aiohicache_hit_tokens_total counter",
-            *(f'aiohicache_hit_tokens_total{{tier="{t}"}} {n}' for t, n in self.hit_tokens.items()),
+            "# TYPE aiohicache_server_hit_tokens_total counter",
+            *(f'aiohicache_server_hit_tokens_total{{tier="{t}"}} {n}'
+              for t, n in self.hit_tokens.items()),
             "# TYPE aiohicache_ttft_seconds histogram",
             *(f'aiohicache_ttft_seconds_bucket{{le="{b}"}} {n}'
               for b, n in zip(_TTFT_BUCKETS, self.ttft_buckets, strict=True)),
@@ -154,24 +157,10 @@ class Metrics:
             f"aiohicache_ttft_seconds_sum {self.ttft_sum:.6f}",
             f"aiohicache_ttft_seconds_count {self.ttft_count}",
         ]
+        text = "\n".join(lines) + "\n"
         if cache is not None:
-            lines += _cache_gauges(cache)
-        return "\n".join(lines) + "\n"
-
-
-def _cache_gauges(cache: HiCache) -> list[str]:
-    s = cache.stats()
-    out = ["# TYPE aiohicache_cache_pages gauge"]
-    for tier, used, free in (("L1", s.device_pages_used, s.device_pages_free),
-                             ("L2", s.host_pages_used, s.host_pages_free)):
-        out += [f'aiohicache_cache_pages{{tier="{tier}",state="used"}} {used}',
-                f'aiohicache_cache_pages{{tier="{tier}",state="free"}} {free}']
-    out += ["# TYPE aiohicache_cache_healthy gauge",
-            f"aiohicache_cache_healthy {int(s.health != 'failed')}",
-            "# TYPE aiohicache_cache_evicted_pages_total counter",
-            f'aiohicache_cache_evicted_pages_total{{tier="L1"}} {s.device_evicted_pages}',
-            f'aiohicache_cache_evicted_pages_total{{tier="L2"}} {s.host_evicted_pages}']
-    return out
+            text += render_cache_metrics(cache).decode()
+        return text
 
 
 class Engine:

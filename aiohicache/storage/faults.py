@@ -9,6 +9,7 @@ keeps failing, for a cool-down, then try it again with a single probe.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import random
 import time
@@ -26,6 +27,8 @@ from .base import HEADER_SIZE, BackendStats, StorageBackend, decode_page, encode
 from .errors import StorageError, StorageReadError, StorageWriteError
 
 __all__ = ("Breaker", "BreakerState", "FaultyBackend")
+
+log = logging.getLogger(__name__)
 
 ErrorPoint = Literal["before", "after"] | None
 R = TypeVar("R")
@@ -304,6 +307,8 @@ class Breaker:
                 self._clock() - self._opened_at >= self.cooldown_s):
             self._state = BreakerState.HALF_OPEN
             self._probe_at = None
+            log.info("L3 breaker half-open: probing storage again",
+                     extra={"tier": "L3", "event": "breaker_half_open"})
         return self._state
 
     def allow(self) -> bool:
@@ -321,6 +326,9 @@ class Breaker:
         """A call succeeded: count from zero again; a probe's success closes the breaker."""
         if self.state is BreakerState.OPEN:
             return  # a late call that started before the breaker opened proves little
+        if self._state is BreakerState.HALF_OPEN:
+            log.info("L3 breaker closed: storage is back",
+                     extra={"tier": "L3", "event": "breaker_closed"})
         self._state = BreakerState.CLOSED
         self._failures = 0
         self._probe_at = None
@@ -336,3 +344,7 @@ class Breaker:
             self._opened_at = self._clock()
             self._probe_at = None
             self.times_opened += 1
+            log.warning("L3 breaker open after %d failures: storage bypassed for %.1f s",
+                        self._failures, self.cooldown_s,
+                        extra={"tier": "L3", "event": "breaker_open", "failures": self._failures,
+                               "cooldown_s": self.cooldown_s})

@@ -9,6 +9,7 @@ forward pass can start on layer 0 while later layers are still in flight.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -26,7 +27,8 @@ class TransferHandle:
     handle never cancels it: many requests may await one shared load.
     """
 
-    __slots__ = ("_callbacks", "_done", "_events", "_layers", "_loop", "nbytes", "num_layers")
+    __slots__ = ("_callbacks", "_done", "_events", "_layers", "_loop", "nbytes", "num_layers",
+                 "seconds", "started")
 
     def __init__(self, *, num_layers: int, nbytes: int) -> None:
         self._loop = asyncio.get_running_loop()
@@ -36,6 +38,9 @@ class TransferHandle:
         self._done = self._loop.create_future()
         self._callbacks: list[Callable[[TransferHandle], None]] = []
         self._events: Sequence[object] | None = None  # set by engines that record CUDA events
+        self.started = time.perf_counter()
+        self.seconds = 0.0
+        """From submission until the copy settled (seen on the loop); for metrics."""
 
     @classmethod
     def for_pages(cls, pool: DevicePool, num_pages: int) -> TransferHandle:
@@ -95,6 +100,7 @@ class TransferHandle:
     def _finish(self, exc: BaseException | None = None) -> None:
         if self._done.done():
             return
+        self.seconds = time.perf_counter() - self.started
         if exc is not None:
             err = exc if isinstance(exc, TransferError) else TransferError(str(exc))
             err.__cause__ = exc if err is not exc else None

@@ -1,0 +1,198 @@
+"""Prometheus metrics of a `HiCache`: a collector to register in your own registry.
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from aiohicache.metrics import CacheCollector
+
+    registry = CollectorRegistry()
+    registry.register(CacheCollector(cache))          # or labels={"rank": "0"} per TP rank
+    text = generate_latest(registry)
+
+Every value is read from the cache when the registry is scraped (nothing is counted twice and
+the cache keeps no Prometheus objects). Needs the ``metrics`` extra (``prometheus-client``).
+docs/observability.md lists every metric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+from ._histogram import Histogram, TransferHistograms
+
+if TYPE_CHECKING:
+    from ._stats import CacheStats
+    from .api import HiCache
+
+__all__ = ("CacheCollector", "render")
+
+PREFIX = "aiohicache"
+HEALTH_STATES = ("ok", "degraded", "failed")
+BREAKER_STATES = ("closed", "open", "half_open")
+
+# (metric suffix, CacheStats.storage key, help)
+_STORAGE_COUNTERS = (
+    ("storage_prefetches", "prefetches", "Prefetches from L3 that inserted pages."),
+    ("storage_prefetched_pages", "prefetched_pages", "Pages prefetched from L3 into L2."),
+    ("storage_prefetch_misses", "prefetch_misses", "Prefetches L3 had too few pages for."),
+    ("storage_negative_hits", "negative_hits", "Prefetches skipped by the negative cache."),
+    ("storage_backed_up_pages", "backed_up_pages", "Pages written to L3."),
+    ("storage_backup_failed_pages", "backup_failed_pages", "Pages L3 failed to store."),
+    ("storage_errors", "errors", "L3 operations that failed (each one a miss)."),
+    ("storage_corrupt_pages", "corrupt", "L3 objects rejected by their checksum or key."),
+    ("storage_bypassed", "bypassed", "L3 operations skipped while the breaker was open."),
+)
+
+
+class CacheCollector(Collector):
+    """Collects one cache's metrics at scrape time (see docs/observability.md).
+
+    Args:
+        cache: the cache (open or not; before opening, transfer metrics read zero).
+        labels: constant labels added to every sample, e.g. ``{"rank": "0"}`` when several
+            caches (TP ranks) share a registry.
+    """
+
+    def __init__(self, cache: HiCache, *, labels: Mapping[str, str] | None = None) -> None:
+        self.cache = cache
+        self._names = list(labels or {})
+        self._values = [str(v) for v in (labels or {}).values()]
+
+    def describe(self) -> list[Metric]:
+        return []  # collected on demand: registering never reads the cache
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.cache.stats()
+        yield from self._requests(s)
+        yield from self._transfers()
+        yield from self._pools(s)
+        yield from self._storage(s)
+        yield self._state_set("health", "1 for the cache's current health, else 0.",
+                              HEALTH_STATES, s.health)
+
+    # ------------------------------------------------------------------ families
+
+    def _family(self, kind: type[Metric], name: str, doc: str, labels: tuple[str, ...] = (),
+                unit: str = "") -> Metric:
+        return kind(f"{PREFIX}_{name}", doc, labels=[*self._names, *labels],  # type: ignore[call-arg]
+                    unit=unit)
+
+    def _add(self, family: Metric, value: float, *labels: str) -> Metric:
+        family.add_metric([*self._values, *labels], value)  # type: ignore[attr-defined]
+        return family
+
+    def _counter(self, name: str, doc: str, value: float) -> Metric:
+        return self._add(self._family(CounterMetricFamily, name, doc), value)
+
+    def _state_set(self, name: str, doc: str, states: tuple[str, ...], current: str) -> Metric:
+        family = self._family(GaugeMetricFamily, name, doc, ("state",))
+        for state in states:
+            self._add(family, int(state == current), state)
+        return family
+
+    def _requests(self, s: CacheStats) -> Iterator[Metric]:
+        yield self._counter("requests", "Fetches (requests) the cache served.", s.requests)
+        yield self._counter("prompt_tokens", "Prompt tokens of those fetches.", s.prompt_tokens)
+        hits = self._family(CounterMetricFamily, "hit_tokens",
+                            "Prompt tokens served from a tier (L1 device, L2 host, L3 storage).",
+                            ("tier",))
+        for tier, n in (("L1", s.device_hit_tokens), ("L2", s.host_hit_tokens),
+                        ("L3", s.storage_hit_tokens)):
+            self._add(hits, n, tier)
+        yield hits
+        yield self._counter("miss_tokens", "Prompt tokens the engine had to compute.",
+                            s.miss_tokens)
+        evicted = self._family(CounterMetricFamily, "evicted_pages",
+                               "Pages evicted from a tier.", ("tier",))
+        self._add(evicted, s.device_evicted_pages, "L1")
+        self._add(evicted, s.host_evicted_pages, "L2")
+        yield evicted
+        yield self._counter("worker_restarts", "Transfer workers restarted after a crash.",
+                            s.worker_restarts)
+
+    def _transfers(self) -> Iterator[Metric]:
+        core = self.cache._core
+        per_tier: list[tuple[str, TransferHistograms]] = []
+        if core.controller is not None:
+            per_tier.append(("L2", core.controller.counters.histograms))
+        if core.storage is not None:
+            per_tier.append(("L3", core.storage.histograms))
+        for direction, what in (("load", "towards the device (L2 -> L1, L3 -> L2)"),
+                                ("store", "away from the device (L1 -> L2, L2 -> L3)")):
+            for quantity in ("bytes", "seconds"):
+                family = self._family(
+                    HistogramMetricFamily, f"kv_{direction}_{quantity}",
+                    f"{quantity.capitalize()} of each copy {what}, by the tier copied "
+                    "from or to.", ("tier",))
+                for tier, hists in per_tier:
+                    h: Histogram = getattr(hists, f"{direction}_{quantity}")
+                    family.add_metric([*self._values, tier],  # type: ignore[attr-defined]
+                                      buckets=h.cumulative(), sum_value=h.sum)
+                yield family
+        if core.controller is not None:
+            c = core.controller.counters
+            merged = self._family(CounterMetricFamily, "merged_transfers",
+                                  "Copies that rode along in another's (L1 <-> L2).",
+                                  ("direction",))
+            self._add(merged, c.load_merges, "load")
+            self._add(merged, c.write_merges, "store")
+            yield merged
+        if core.tp is not None:
+            tick = self._family(SummaryMetricFamily, "tp_tick_seconds",
+                                "Time the tensor-parallel consensus tick spent in its "
+                                "collective.")
+            tick.add_metric(self._values,  # type: ignore[attr-defined]
+                            count_value=core.tp.ticks, sum_value=core.tp.tick_seconds)
+            yield tick
+
+    def _pools(self, s: CacheStats) -> Iterator[Metric]:
+        pages = self._family(GaugeMetricFamily, "pages",
+                             "Pages of a tier's pool by state (used includes leased).",
+                             ("tier", "state"))
+        for tier, state, n in (("L1", "used", s.device_pages_used),
+                               ("L1", "free", s.device_pages_free),
+                               ("L1", "leased", s.device_pages_leased),
+                               ("L2", "used", s.host_pages_used),
+                               ("L2", "free", s.host_pages_free)):
+            self._add(pages, n, tier, state)
+        yield pages
+        page_bytes = self._family(GaugeMetricFamily, "page_size_bytes",
+                                  "Bytes of one page of KV (all layers).")
+        yield self._add(page_bytes, self.cache.config.page_bytes)
+        pending = self._family(GaugeMetricFamily, "pending_transfers",
+                               "Copies between L1 and L2 queued or in flight.", ("direction",))
+        self._add(pending, s.pending_loads, "load")
+        self._add(pending, s.pending_writes, "store")
+        yield pending
+        yield self._add(self._family(GaugeMetricFamily, "tree_nodes",
+                                     "Nodes of the radix tree."), s.num_nodes)
+
+    def _storage(self, s: CacheStats) -> Iterator[Metric]:
+        storage = self.cache._core.storage
+        if storage is None:
+            return
+        stats = s.storage or {}
+        for name, key, doc in _STORAGE_COUNTERS:
+            yield self._counter(name, doc, float(stats.get(key, 0)))
+        yield self._counter("storage_breaker_opened", "Times the L3 breaker opened.",
+                            storage.breaker.times_opened)
+        yield self._state_set("storage_breaker_state",
+                              "1 for the L3 breaker's current state, else 0.", BREAKER_STATES,
+                              str(stats.get("breaker", storage.breaker.state.value)))
+
+
+def render(cache: HiCache, *, labels: Mapping[str, str] | None = None) -> bytes:
+    """The Prometheus text exposition of `cache` alone (a fresh registry each call)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(CacheCollector(cache, labels=labels))
+    return generate_latest(registry)
