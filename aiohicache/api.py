@@ -18,7 +18,7 @@ import asyncio
 import warnings
 from collections.abc import Callable
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import anyio
 import torch
@@ -39,6 +39,9 @@ from .errors import ClosedError, ConfigError
 from .memory import DevicePool, HostPool
 from .radix import Node, RadixTree
 from .transfer import CpuTransferEngine, TransferEngine
+
+if TYPE_CHECKING:
+    from .events import EventStream
 
 __all__ = ("CacheStats", "FetchContext", "HiCache")
 
@@ -196,6 +199,8 @@ class HiCache:
         if self.tp_group is not None:
             self.tp_group.close()
         self._core.state = "closed"
+        if (hub := getattr(self, "_event_hub", None)) is not None:
+            hub.close()
 
     def __del__(self, _warn: object = warnings.warn) -> None:
         # Don't try to do more here: the event loop may already be gone.
@@ -251,6 +256,18 @@ class HiCache:
     def stats(self) -> CacheStats:
         """A snapshot of hit, transfer, eviction and occupancy counters."""
         return snapshot(self._core)
+
+    def events(self, *, max_batches: int = 1024, snapshot: bool = False) -> EventStream:
+        """Subscribe to KV events: an async iterator of `EventBatch` (see `aiohicache.events`).
+
+        Call on the cache's event loop. At most `max_batches` unread batches are kept; later
+        ones are dropped (counted in the stream's `dropped`): the cache never waits. With
+        `snapshot`, a first batch (``seq == -1``) lists what the tiers hold now. The stream
+        ends after the cache closes (its last batch holds `AllBlocksCleared`).
+        """
+        from .events import hub_of
+
+        return hub_of(self).subscribe(max_batches, snapshot=snapshot)
 
     async def drain(self) -> None:
         """Wait until every queued and in-flight transfer has settled.

@@ -108,6 +108,9 @@ class RadixTree:
         self._clock = 0
         self.on_split: list[Callable[[Node, Node], None]] = []
         """Called as ``hook(node, upper)`` when a node holding host refs is split."""
+        self.on_residency: list[Callable[[Node, str, bool], None]] = []
+        """Called as ``hook(node, "device" | "host", present)`` when a node gains or loses a
+        tier (KV events; aiohicache.events). Splits move no page between tiers: not called."""
         self._num_nodes = 0
         device, host = (eviction, eviction) if isinstance(eviction, str) else eviction
         self.device_policy = make_policy(device, capacity=device_alloc.capacity,
@@ -334,6 +337,9 @@ class RadixTree:
             node.parent.device_children += 1 if node.on_device else -1
             self._offer(node.parent)
         self._offer(node)
+        if self.on_residency and was != node.on_device:
+            for hook in self.on_residency:
+                hook(node, "device", node.on_device)
 
     def _set_host(self, node: Node, pages: PageIds | None, state: HostState) -> None:
         was = node.on_host
@@ -345,6 +351,9 @@ class RadixTree:
             node.parent.host_children += 1 if node.on_host else -1
             self._offer(node.parent)
         self._offer(node)
+        if self.on_residency and was != node.on_host:
+            for hook in self.on_residency:
+                hook(node, "host", node.on_host)
 
     def lock(self, node: Node | None) -> None:
         """Pin `node` and its ancestors on the device."""
