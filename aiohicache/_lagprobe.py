@@ -8,18 +8,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import math
+import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Self
 
 import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ("GcPauses", "LagSummary", "LoopLagProbe")
+__all__ = ("GcPauses", "LagSummary", "LoopLagProbe", "Stall", "StallSampler", "idle_floor",
+           "quiet_runtime")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,3 +156,157 @@ class GcPauses:
     @property
     def max_ms(self) -> float:
         return max(self._pauses, default=0.0) * 1e3
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """One time the loop thread held on to one callback for longer than the threshold."""
+
+    ms: float
+    """How long the loop had not come back to the probe when the stack was taken."""
+    stack: tuple[str, ...]
+    """``file:line function`` of the loop thread, innermost last (the project's frames and
+    the one that called into a library; ``"gc"`` marks a collection)."""
+
+
+class StallSampler:
+    """Finds where loop stalls come from: a watchdog thread looks at the loop every
+    `poll` seconds and, when the loop has not run its heartbeat for `threshold` seconds,
+    records the loop thread's stack (`sys._current_frames`). Garbage collections that take
+    longer than `threshold` are recorded too, with the stack that triggered them.
+
+        async with StallSampler(threshold=0.002) as sampler:
+            ...
+        print(sampler.report())   # the most frequent stacks, with total and max stall
+
+    A diagnosis tool (``aiohicache replay --stalls``, ``bench core --stalls``): the watchdog
+    takes the GIL every `poll`, so it adds a little lag of its own.
+    """
+
+    __slots__ = ("_beat", "_gc_start", "_loop_thread", "_poll", "_stop", "_task", "_thread",
+                 "_threshold", "stalls")
+
+    def __init__(self, threshold: float = 0.002, poll: float = 0.0005) -> None:
+        self._threshold, self._poll = threshold, poll
+        self._beat = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._loop_thread = threading.get_ident()
+        self._gc_start: float | None = None
+        self.stalls: list[Stall] = []
+
+    async def __aenter__(self) -> Self:
+        self._loop_thread = threading.get_ident()
+        self._beat = time.perf_counter()
+        self._task = asyncio.create_task(self._heartbeat(), name="aiohicache-stall-beat")
+        self._thread = threading.Thread(target=self._watch, name="aiohicache-stall-watch",
+                                        daemon=True)
+        self._thread.start()
+        gc.callbacks.append(self._gc_callback)
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        gc.callbacks.remove(self._gc_callback)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task])
+
+    async def _heartbeat(self) -> None:
+        clock, poll = time.perf_counter, self._poll
+        while True:
+            self._beat = clock() + poll  # when the loop should be back
+            await asyncio.sleep(poll)
+
+    def _watch(self) -> None:
+        sampled_beat = None
+        while not self._stop.wait(self._poll):
+            beat = self._beat
+            late = time.perf_counter() - beat
+            # One sample per stall, taken once it is already longer than the threshold.
+            if late > self._threshold and beat != sampled_beat and self._gc_start is None:
+                frame = sys._current_frames().get(self._loop_thread)
+                if frame is not None:
+                    sampled_beat = beat
+                    self.stalls.append(Stall(ms=late * 1e3, stack=_stack(frame)))
+
+    def _gc_callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            took = time.perf_counter() - self._gc_start
+            self._gc_start = None
+            if took > self._threshold:
+                frame = sys._getframe(1)
+                self.stalls.append(Stall(ms=took * 1e3, stack=(
+                    *_stack(frame), f"gc gen {info.get('generation')}")))
+
+    def report(self, top: int = 12) -> str:
+        """The `top` stacks by total stall time: count, total and max ms, then the stack."""
+        groups: dict[tuple[str, ...], list[float]] = {}
+        for stall in self.stalls:
+            groups.setdefault(stall.stack, []).append(stall.ms)
+        rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]
+        lines = [f"{len(self.stalls)} stalls > {self._threshold * 1e3:g} ms"]
+        for stack, ms in rows:
+            lines.append(f"  {len(ms):>5} x  total {sum(ms):8.1f} ms  max {max(ms):7.1f} ms")
+            lines.extend(f"        {entry}" for entry in stack[-8:])
+        return "\n".join(lines)
+
+
+def _stack(frame: FrameType | None) -> tuple[str, ...]:
+    """The stack of `frame`, outermost first, without the event loop's own frames."""
+    entries = []
+    while frame is not None:
+        code = frame.f_code
+        name = code.co_filename
+        if "asyncio" not in name or "aiohicache" in name:
+            short = name.rsplit("site-packages/", 1)[-1].rsplit("/work/main/", 1)[-1]
+            entries.append(f"{short}:{frame.f_lineno} {code.co_name}")
+        frame = frame.f_back
+    return tuple(reversed(entries))
+
+
+SWITCH_INTERVAL = 0.0005
+"""Seconds a thread may hold the GIL while another waits for it (CPython's default: 0.005)."""
+
+
+@contextlib.contextmanager
+def quiet_runtime(switch_interval: float = SWITCH_INTERVAL) -> Iterator[None]:
+    """Process settings that keep the loop's stalls short, as a server sets them after start-up
+    (`docs/performance.md`); restored on exit.
+
+    - ``gc.freeze()`` after one collection: otherwise each full collection walks every object
+      torch and numpy made at import (about 70-130 ms on a 2-core VM);
+    - ``sys.setswitchinterval(switch_interval)``: every GIL release on the loop thread (a
+      torch call, a large hash, a read) lets a worker thread running Python (the file store,
+      the copy threads' page bookkeeping) keep the GIL for up to this long before the loop
+      gets it back: 5 ms by default, which was the loop-lag p99;
+    - no automatic full (generation 2) collection: what the run creates is still tracked
+      (the file store's index holds one tuple per page), and a full pass over it took
+      10-70 ms; young generations are still collected, and one full collection runs on exit.
+    """
+    old_switch, old_threshold = sys.getswitchinterval(), gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    sys.setswitchinterval(switch_interval)
+    gc.set_threshold(old_threshold[0], old_threshold[1], 1 << 30)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old_switch)
+        gc.set_threshold(*old_threshold)
+        gc.unfreeze()
+        gc.collect()
+
+
+async def idle_floor(seconds: float) -> LagSummary:
+    """The probe's lag while the loop has nothing else to do: what the machine (timers, other
+    processes on the cores) costs, measured beside a run to compare against it."""
+    async with LoopLagProbe() as probe:
+        await asyncio.sleep(seconds)
+    return probe.summary()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import sys
 import time
 from collections.abc import Iterator
 
@@ -18,7 +19,7 @@ import torch
 from click.testing import CliRunner
 
 from aiohicache import ConfigError
-from aiohicache._lagprobe import GcPauses, LoopLagProbe
+from aiohicache._lagprobe import GcPauses, LoopLagProbe, StallSampler, quiet_runtime
 from aiohicache.cli import cli
 
 SECTIONS = ("1. CPU page copy", "2. Event-loop lag", "3. fetch -> commit overhead")
@@ -164,6 +165,28 @@ async def test_probe_cannot_run_twice_at_once() -> None:
 def test_probe_rejects_a_bad_interval(interval: object) -> None:
     with pytest.raises(ConfigError, match="interval"):
         LoopLagProbe(interval=interval)  # type: ignore[arg-type]
+
+
+async def test_stall_sampler_names_the_blocking_function() -> None:
+    def block_the_loop() -> None:
+        time.sleep(0.03)
+
+    async with StallSampler(threshold=0.01) as sampler:
+        await asyncio.sleep(0.005)
+        block_the_loop()
+        await asyncio.sleep(0.005)
+    assert any("block_the_loop" in " ".join(s.stack) for s in sampler.stalls)
+    assert "block_the_loop" in sampler.report()
+    assert not [t for t in asyncio.all_tasks() if t.get_name() == "aiohicache-stall-beat"]
+
+
+def test_quiet_runtime_restores_the_process_settings() -> None:
+    switch, threshold = sys.getswitchinterval(), gc.get_threshold()
+    with quiet_runtime():
+        assert sys.getswitchinterval() < switch and gc.get_freeze_count() > 0
+        assert gc.get_threshold()[2] > threshold[2]
+    assert sys.getswitchinterval() == switch and gc.get_threshold() == threshold
+    assert gc.get_freeze_count() == 0
 
 
 def test_gc_pauses_records_collections() -> None:

@@ -54,6 +54,9 @@ def format_result(r: ReplayResult, *, title: str = "") -> str:
         ("L2 <-> L3 throughput", f"{r.storage_gbps:.2f} GB/s", "bytes moved / wall time"),
         ("event-loop lag p50/p99/max", f"{r.lag.p50_ms:.2f} / {r.lag.p99_ms:.2f} / "
          f"{r.lag.max_ms:.2f} ms", f"{r.lag.samples} samples"),
+        *([("idle-loop floor p50/p99/max", f"{r.lag_floor.p50_ms:.2f} / "
+            f"{r.lag_floor.p99_ms:.2f} / {r.lag_floor.max_ms:.2f} ms",
+            "same probe, idle loop, right after")] if r.lag_floor is not None else []),
         ("wall time", f"{r.wall_seconds:.2f} s", ""),
         ("requests/s", f"{r.requests_per_second:,.0f}", ""),
     ]

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import anyio
 
-from .._lagprobe import LagSummary, LoopLagProbe
+from .._lagprobe import LagSummary, LoopLagProbe, idle_floor, quiet_runtime
 from ..api import HiCache
 from ..config import HiCacheConfig, KVSpec
 from ..errors import CapacityError, ConfigError
@@ -216,6 +216,9 @@ class ReplayResult:
     kv_scale: int
     extra: dict[str, float] = field(default_factory=dict)
     eviction: str = "lru"
+    lag_floor: LagSummary | None = None
+    """The same probe on the idle loop right after the replay (`idle_floor`): the machine's
+    share of `lag`."""
 
     @property
     def hit_ratio(self) -> float:
@@ -258,6 +261,7 @@ async def replay(config: ReplayConfig, requests: Sequence[Request], *,
         future = FutureUses(requests, config.page_size)
         requests = future.requests
     with contextlib.ExitStack() as stack:
+        stack.enter_context(quiet_runtime())
         storage = config.storage
         if storage == "tmp":
             storage = "file://" + stack.enter_context(
@@ -305,6 +309,7 @@ async def _replay(config: ReplayConfig, cache_config: HiCacheConfig,
         stats = cache.stats()
         lag = probe.summary()
     cache.check_invariants()
+    floor = await idle_floor(min(1.0, max(0.1, wall / 10)))
     return ReplayResult(
         requests=stats.requests, prompt_tokens=stats.prompt_tokens,
         l1_tokens=stats.device_hit_tokens, l2_tokens=stats.host_hit_tokens,
@@ -321,7 +326,7 @@ async def _replay(config: ReplayConfig, cache_config: HiCacheConfig,
         host_tokens=cache_config.host_capacity_pages * config.page_size,
         storage=config.storage,
         bytes_per_token=cache_config.spec.bytes_per_token, kv_scale=config.kv_scale,
-        eviction=config.eviction)
+        eviction=config.eviction, lag_floor=floor)
 
 
 async def _serve(cache: HiCache, request: Request) -> bool:
