@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import anyio
 
-__all__ = ("finish_then_cancel",)
+__all__ = ("Signal", "finish_then_cancel", "pulse")
 
 T = TypeVar("T")
 
@@ -50,3 +50,35 @@ async def _await_through_cancels(task: asyncio.Future[T]) -> tuple[T, bool]:
             cancelled = True
             break
     return result, cancelled
+
+
+class Signal:
+    """A re-armable `anyio.Event`: `set` wakes every waiter, `clear` re-arms it.
+
+    anyio's events are one-shot (no ``clear``); a worker that sleeps until "something
+    happened" and then consumes it needs one it can re-arm.
+    """
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def clear(self) -> None:
+        if self._event.is_set():
+            self._event = anyio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+def pulse(event: anyio.Event) -> anyio.Event:
+    """Wake everyone waiting on `event`; return a fresh one for the next waiters."""
+    event.set()
+    return anyio.Event()

@@ -14,7 +14,6 @@ and how its copies start:
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 
+from ._concurrency import pulse
 from .controller import AGAIN, Consensus, Controller, Op, _Job
 
 __all__ = ("AGAIN", "Executor", "LocalExecutor", "Op", "Plan", "TickExecutor")
@@ -58,12 +58,11 @@ class LocalExecutor:
 
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
-        self._news = asyncio.Event()
+        self._news = anyio.Event()
 
     def kick(self) -> None:
         """Something changed that may let a waiting operation finish."""
-        self._news.set()
-        self._news = asyncio.Event()
+        self._news = pulse(self._news)
 
     async def call(self, fn: Callable[[Op], Plan[T]],
                    undo: Callable[[T], None] | None = None) -> T:
@@ -82,7 +81,7 @@ class LocalExecutor:
             raise
         return plan.result
 
-    async def _wait(self, news: asyncio.Event, op: Op) -> None:
+    async def _wait(self, news: anyio.Event, op: Op) -> None:
         """Until news or `op.deadline`; past the deadline the operation must finish."""
         left = math.inf if op.deadline is None else op.deadline - time.monotonic()
         with anyio.move_on_after(left):

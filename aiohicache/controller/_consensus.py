@@ -34,6 +34,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from .._concurrency import Signal
 from ..config import HiCacheConfig
 from ..distributed import TPGroup
 from ..errors import DivergenceError, HiCacheError, RankTimeoutError, TPError, WorkerError
@@ -93,7 +94,7 @@ class Consensus:
         self._digest = digest
         self._log: deque[Op] = deque()      # submitted, not yet run
         self._waiting: list[Op] = []        # ran, returned AGAIN; run again every tick
-        self._news = asyncio.Event()
+        self._news = Signal()
         self._urgent = 0                    # ops in the log that someone waits for
         self.ticks = 0
         self.tick_seconds = 0.0             # time spent in the collective, for stats

@@ -18,7 +18,6 @@ tree and the allocators before any await, then the job goes to a worker.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,6 +26,7 @@ from typing import Any, TypeVar
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from .._concurrency import Signal, pulse
 from ..config import HiCacheConfig
 from ..errors import CapacityError, TPError, WorkerError
 from ..memory import PageIds
@@ -65,9 +65,9 @@ class Controller:
         self._writes: deque[WriteJob] = deque()
         self._queued = 0                          # jobs sent but not yet launched
         self._unsettled: dict[int, _Job] = {}     # every planned job until it settles
-        self._wakeup = asyncio.Event()
-        self._settled = asyncio.Event()
-        self._room = asyncio.Event()              # set when a worker empties its channel
+        self._wakeup = Signal()                  # a copy finished: settle
+        self._settled = anyio.Event()            # pulsed by every settle that applied something
+        self._room = anyio.Event()               # pulsed when a worker empties its channel
         self.demoting_pages = 0                   # device pages freed when write-backs settle
 
     # ------------------------------------------------------------------ state
@@ -313,8 +313,7 @@ class Controller:
         """Stop serving for good: later calls raise, and waiters for settles wake up."""
         if self.failure is None:
             self.failure = exc
-        self._settled.set()
-        self._settled = asyncio.Event()
+        self._settled = pulse(self._settled)
 
     async def _load_worker(self) -> None:
         await self._drain_channel(self._load_rx, self._launch_loads, self._loads)
@@ -334,8 +333,7 @@ class Controller:
                 except (anyio.WouldBlock, anyio.EndOfStream):
                     break
             self._queued -= len(batch)
-            self._room.set()  # wake senders waiting for room, then re-arm
-            self._room = asyncio.Event()
+            self._room = pulse(self._room)  # wake senders waiting for room
             launch(batch)
             while len(inflight) > limit:  # backpressure: the channel fills behind us
                 await self.wait_settled()
@@ -392,8 +390,7 @@ class Controller:
         for _ in range(num_writes):
             self._settle_write(self._writes.popleft())
         if num_loads or num_writes:
-            self._settled.set()
-            self._settled = asyncio.Event()
+            self._settled = pulse(self._settled)
 
     def _settle_load(self, job: LoadJob) -> None:
         assert job.handle is not None
