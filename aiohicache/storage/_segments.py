@@ -21,14 +21,17 @@ tail, never a served torn page.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
+import mmap
 import os
 import re
 import secrets
 import struct
 import threading
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
@@ -38,7 +41,7 @@ import xxhash
 from .base import HEADER_SIZE, PageFormat, decode_page, encode_header
 
 __all__ = ("DELETE", "ENTRY_SIZE", "PUT", "Appender", "Entry", "JournalScan", "Outcome",
-           "compact", "read_journals", "read_log", "read_run", "remove_orphans",
+           "SegmentMaps", "compact", "read_journals", "read_log", "read_run", "remove_orphans",
            "segment_path", "write_run")
 
 PUT: Final = 1
@@ -49,9 +52,6 @@ _CHECK = struct.Struct("<Q")
 ENTRY_SIZE: Final = _ENTRY.size + _CHECK.size
 """Bytes of one journal entry (176): fields, then an xxh3-64 of the fields."""
 _MAGIC: Final = b"AHJ1"
-_SPAN_BYTES: Final = 256 << 10
-"""Most bytes read per call: small enough that the records stay in the CPU cache while they
-are checked and copied out (what the kernel wrote into staging is read back from cache)."""
 _SEGMENT = re.compile(r"([0-9a-f]{16})\.(seg|log)")
 _TEMP = re.compile(r"[0-9a-f]{16}\.seg\.tmp")
 
@@ -294,44 +294,175 @@ class Outcome:
     """Rejected by `decode_page`: damaged, torn, of another format, or another key's."""
 
 
-def read_run(root: str, fmt: PageFormat, keys: Sequence[str], entries: Sequence[Entry],
-             staging: bytearray, dests: Sequence[memoryview]) -> list[str | OSError]:
-    """Read each key's record into `staging`, verify it, and copy its payload into its
-    destination only if it is good. Records adjacent on disk are read with one call.
+class SegmentMaps:
+    """Read-only maps of segments, shared by the I/O threads that read records.
+
+    NOTE: a record is checked and copied straight out of the page cache through a map: one
+    copy, as a ``read`` makes, instead of a read into a staging buffer and a second copy out
+    of it (which halved large-page reads). A missed buffer is still never written: only a
+    verified payload is copied. A segment is only appended to, never truncated, and a map
+    covers no more than its file's size when mapped (a record past it is remapped, or torn:
+    a miss); a file truncated by hand while mapped would fault (SIGBUS), so nothing here
+    truncates. At most `limit` segments stay mapped (least recently used dropped); a
+    removed segment (compacted, or the store removed) is dropped when a read finds it gone,
+    so its disk space is not held.
+    """
+
+    def __init__(self, root: str, limit: int = 64) -> None:
+        self.root = root
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._maps: OrderedDict[int, _Map] = OrderedDict()
+
+    def get(self, seg_id: int, end: int, *, check: bool) -> _Map | None:
+        """A map of segment `seg_id` covering at least ``[0, end)`` if the file holds it
+        (else as much as it holds); None if the segment is gone. With `check`, a map kept
+        from before is first checked to still name a linked file (one ``fstat``).
+
+        NOTE: the lock is held over these few system calls (never over reads of the data),
+        so no thread can close an fd another is about to ``fstat`` (a reused fd number
+        would name another file).
+        """
+        with self._lock:
+            held = self._maps.get(seg_id)
+            if held is None:
+                return self._open(seg_id)
+            self._maps.move_to_end(seg_id)
+            if check or len(held.view) < end:
+                st = os.fstat(held.fd)
+                if st.st_nlink == 0:
+                    self._drop(seg_id)
+                    return None
+                if len(held.view) < end and st.st_size > len(held.view):
+                    held = self._remap(seg_id, held.fd)
+            return held
+
+    def drop(self, seg_id: int) -> None:
+        """Forget segment `seg_id`'s map (unmapped once no read uses it)."""
+        with self._lock:
+            self._drop(seg_id)
+
+    def close(self) -> None:
+        with self._lock:
+            for seg_id in list(self._maps):
+                self._drop(seg_id)
+
+    def _drop(self, seg_id: int) -> None:
+        held = self._maps.pop(seg_id, None)
+        if held is not None:
+            os.close(held.fd)
+
+    def _open(self, seg_id: int) -> _Map | None:
+        try:
+            fd = os.open(segment_path(self.root, seg_id), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            if os.fstat(fd).st_nlink == 0:  # removed while we opened it
+                os.close(fd)
+                return None
+            return self._remap(seg_id, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _remap(self, seg_id: int, fd: int) -> _Map:
+        """Map the whole file `fd` as segment `seg_id` (the map it replaces is unmapped when
+        the reads still using it drop their views)."""
+        size = os.fstat(fd).st_size
+        # an empty file cannot be mapped: nothing in it can be read anyway
+        data: mmap.mmap | bytes = (mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
+                                             prot=mmap.PROT_READ) if size else b"")
+        view = memoryview(data)
+        held = _Map(fd, view, np.frombuffer(view, np.uint8).ctypes.data if size else 0)
+        self._maps[seg_id] = held
+        self._maps.move_to_end(seg_id)
+        while len(self._maps) > self.limit:
+            os.close(self._maps.popitem(last=False)[1].fd)
+        return held
+
+
+@dataclass(slots=True, frozen=True)
+class _Map:
+    fd: int
+    view: memoryview
+    address: int
+    """Where the map starts in memory (0 for an empty file)."""
+
+    def resident(self, lo: int, hi: int) -> bool:
+        """Whether bytes ``[lo, hi)`` of the segment are all in the page cache (``mincore``),
+        so reading them through the map does no disk I/O."""
+        if hi > len(self.view) or not self.address:
+            return False
+        first = lo - lo % _PAGE
+        pages = -(-(hi - first) // _PAGE)
+        vec = ctypes.create_string_buffer(pages)
+        if _mincore(self.address + first, hi - first, vec) != 0:
+            return False
+        return vec.raw.find(0) < 0
+
+
+def _load_mincore() -> Callable[[int, int, ctypes.Array[ctypes.c_char]], int]:
+    fn = ctypes.CDLL(None, use_errno=True).mincore
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_mincore = _load_mincore()
+_PAGE: Final = mmap.PAGESIZE
+_local = threading.local()
+
+
+def read_run(maps: SegmentMaps, fmt: PageFormat, keys: Sequence[str],
+             entries: Sequence[Entry], dests: Sequence[memoryview]) -> list[str | OSError]:
+    """Verify each key's record and copy its payload into its destination only if it is
+    good.
+
+    Records adjacent in a segment and all in the page cache are checked and copied where they
+    lie, through the segment's map (one copy, as a ``read`` makes). Others are read with
+    ``preadv`` into a staging buffer first: a disk error then is an `OSError` (through a map,
+    it would be a SIGBUS), and the kernel's read-ahead serves the rest of the run.
 
     Returns:
         An `Outcome` constant per key, or the `OSError` reading it raised.
     """
     size = _object_size(fmt)
     outcomes: list[str | OSError] = [Outcome.CORRUPT] * len(keys)
-    fds: dict[int, int | None] = {}
-    try:
-        for span in _spans(entries, size, min(len(staging), _SPAN_BYTES)):
-            first = entries[span[0]]
-            if first.length != size:
-                continue  # not one object: rejected unread (CORRUPT)
-            fd = _open_segment(root, first.seg_id, fds)
-            if fd is None:
+    maps_seen: dict[int, _Map | None] = {}
+    for span in _spans(entries, size):
+        first, last = entries[span[0]], entries[span[-1]]
+        if first.length != size:
+            continue  # not one object: rejected unread (CORRUPT)
+        lo, hi = first.offset, last.offset + size
+        seen = first.seg_id in maps_seen
+        held = maps_seen.get(first.seg_id)
+        try:
+            if not seen or (held is not None and len(held.view) < hi):
+                held = maps_seen[first.seg_id] = maps.get(first.seg_id, hi, check=not seen)
+            if held is None:
                 for i in span:
                     outcomes[i] = Outcome.MISSING
                 continue
-            try:
-                got = os.preadv(fd, [memoryview(staging)[:len(span) * size]], first.offset)
-            except OSError as exc:
+            if held.resident(lo, hi):
                 for i in span:
-                    outcomes[i] = exc
-                continue
-            for n, i in enumerate(span):
-                record = memoryview(staging)[n * size:min(got, (n + 1) * size)]
-                outcomes[i] = _verified_copy(fmt, keys[i], record, dests[i])
-    finally:
-        for fd in fds.values():
-            if fd is not None:
-                os.close(fd)
+                    offset = entries[i].offset
+                    outcomes[i] = _verified_copy(fmt, keys[i], held.view[offset:offset + size],
+                                                 dests[i])
+            else:
+                staging = _staging(size)
+                for i in span:
+                    got = os.preadv(held.fd, [staging], entries[i].offset)
+                    outcomes[i] = _verified_copy(fmt, keys[i], staging[:got], dests[i])
+        except (OSError, ValueError) as exc:  # ValueError: mmap refused the file
+            error = exc if isinstance(exc, OSError) else OSError(errno.EIO, str(exc))
+            for i in span:
+                if outcomes[i] is Outcome.CORRUPT:
+                    outcomes[i] = error
     return outcomes
 
 
-def _spans(entries: Sequence[Entry], size: int, limit: int) -> list[list[int]]:
+def _spans(entries: Sequence[Entry], size: int) -> list[list[int]]:
     """Indices of `entries` grouped into runs of whole, adjacent records of one segment.
 
     An entry whose length is not one object is its own span (it is rejected unread).
@@ -340,8 +471,7 @@ def _spans(entries: Sequence[Entry], size: int, limit: int) -> list[list[int]]:
     prev: Entry | None = None
     for i, entry in enumerate(entries):
         if (prev is not None and entry.length == size and prev.length == size
-                and entry.seg_id == prev.seg_id and entry.offset == prev.offset + size
-                and (len(spans[-1]) + 1) * size <= limit):
+                and entry.seg_id == prev.seg_id and entry.offset == prev.offset + size):
             spans[-1].append(i)
         else:
             spans.append([i])
@@ -349,17 +479,12 @@ def _spans(entries: Sequence[Entry], size: int, limit: int) -> list[list[int]]:
     return spans
 
 
-def _open_segment(root: str, seg_id: int, fds: dict[int, int | None]) -> int | None:
-    if seg_id not in fds:
-        try:
-            fd = os.open(segment_path(root, seg_id), os.O_RDONLY)
-        except FileNotFoundError:
-            fd = None
-        if fd is not None and os.fstat(fd).st_nlink == 0:  # removed while we opened it
-            os.close(fd)
-            fd = None
-        fds[seg_id] = fd
-    return fds[seg_id]
+def _staging(size: int) -> memoryview:
+    """This thread's staging buffer for one record (reused: a fresh one faults per 4 KiB)."""
+    buf: memoryview | None = getattr(_local, "staging", None)
+    if buf is None or len(buf) != size:
+        buf = _local.staging = memoryview(bytearray(size))
+    return buf
 
 
 def _verified_copy(fmt: PageFormat, key: str, record: memoryview, dest: memoryview) -> str:

@@ -112,7 +112,7 @@ class FileBackend:
         self._last_stamp = 0
         self._may_compact = False
         self._executor: ThreadPoolExecutor | None = None
-        self._staging: list[bytearray] = []
+        self._maps = seg.SegmentMaps(self.root_dir)
         self._stats = BackendStats()
         self._start_lock = asyncio.Lock()
         self._started = False
@@ -159,8 +159,9 @@ class FileBackend:
     async def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
         """Read each key's verified payload into its buffer; True where it was filled.
 
-        Records are read into a staging buffer and checked there; only a verified payload is
-        copied into the caller's buffer (on the I/O thread), so a missed buffer is never
+        Records in the page cache are checked where they lie (segments are mapped
+        read-only), others read into a staging buffer first; only a verified payload is
+        copied into the caller's buffer (on an I/O thread), so a missed buffer is never
         written. A rejected object (bad header, size or checksum, or another key's) is a
         miss, counts in `stats().corrupt`, and is deleted (unbound in a journal).
 
@@ -281,9 +282,12 @@ class FileBackend:
             except OSError as exc:  # the store went away: nothing more to keep
                 logger.debug("storage: closing %s: %s", self.root_dir, exc)
         self._closed = True
-        if self._executor is not None:
-            loop = asyncio.get_running_loop()
-            await finish_then_cancel(loop.run_in_executor(None, self._executor.shutdown))
+        try:
+            if self._executor is not None:
+                loop = asyncio.get_running_loop()
+                await finish_then_cancel(loop.run_in_executor(None, self._executor.shutdown))
+        finally:
+            self._maps.close()
 
     # ---------------------------------------------------------------------------- runs of pages
 
@@ -308,17 +312,9 @@ class FileBackend:
         if not found:
             return
         entries = [self._index[keys[i]] for i in found]
-        # NOTE: staging buffers are reused (a fresh one costs a page fault per 4 KiB): at
-        # most `max_concurrency` exist, as only that many runs are in flight.
-        staging = self._staging.pop() if self._staging else bytearray(
-            object_size(self.fmt) * min(_RUN_PAGES, max(1, _RUN_BYTES // object_size(
-                self.fmt))))
-        try:
-            outcomes = await self._in_thread(seg.read_run, self.root_dir, self.fmt,
-                                             [keys[i] for i in found], entries, staging,
-                                             [views[i] for i in found])
-        finally:
-            self._staging.append(staging)
+        outcomes = await self._in_thread(seg.read_run, self._maps, self.fmt,
+                                         [keys[i] for i in found], entries,
+                                         [views[i] for i in found])
         for i, entry, outcome in zip(found, entries, outcomes, strict=True):
             if isinstance(outcome, OSError):
                 failed.append(outcome)
@@ -539,6 +535,7 @@ class FileBackend:
             self._apply(entry)
 
     def _drop_segment(self, seg_id: int) -> None:
+        self._maps.drop(seg_id)
         for key in [k for k, e in self._index.items() if e.seg_id == seg_id]:
             self._unbind(key)
         self._sizes.pop(seg_id, None)

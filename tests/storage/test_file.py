@@ -423,6 +423,8 @@ async def test_a_failed_read_raises_and_leaves_its_buffer_alone(
         def broken(*args: Any) -> int:
             raise OSError(5, "Input/output error")
 
+        # records out of the page cache are read with preadv: a disk error there
+        monkeypatch.setattr(seg._Map, "resident", lambda *args: False)
         monkeypatch.setattr(seg.os, "preadv", broken)
         buffers = [bytearray(PAYLOAD) for _ in keys]
         with pytest.raises(StorageReadError, match="Input/output"):
@@ -478,3 +480,12 @@ def test_append_record_hook_is_a_foreign_writer(tmp_path: Path) -> None:
     [key] = make_keys(1)
     append_record(tmp_path, key, b"not a page", time.time_ns())
     assert latest_entries(tmp_path)[key].length == len(b"not a page")
+
+
+async def test_records_out_of_the_page_cache_are_read_through_staging(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = make_keys(3)
+    async with FileBackend(tmp_path, FMT) as backend:
+        await backend.set_from(keys, pages(keys))
+        monkeypatch.setattr(seg._Map, "resident", lambda *args: False)
+        assert await read(backend, keys) == [make_page(k) for k in keys]
