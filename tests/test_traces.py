@@ -15,6 +15,7 @@ import pytest
 
 from aiohicache import ConfigError
 from aiohicache.replay import Request, load_agentic, load_mooncake, load_trace, synthetic
+from aiohicache.replay.traces import stream_mooncake
 
 DATA = Path(__file__).resolve().parents[2] / "shared/data"
 MOONCAKE = DATA / "mooncake/conversation_trace.jsonl"
@@ -324,3 +325,13 @@ def test_load_trace_dispatch(tmp_path: Path, three_sessions: Path) -> None:
     assert len(default) == 512 and load_trace("synthetic", limit=3) == default[:3]
     with pytest.raises(ConfigError, match="unknown trace"):
         load_trace("sharegpt")
+
+
+async def test_stream_mooncake_yields_what_load_mooncake_loads(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps({"timestamp": 1000 * i, "input_length": 600,
+                                          "output_length": 8, "hash_ids": [i, i + 1]})
+                              for i in range(5)) + "\n\n")
+    streamed = [r async for r in stream_mooncake(path, limit=4)]
+    assert streamed == load_mooncake(path, limit=4)
+    assert [r.arrival for r in streamed] == [0.0, 1.0, 2.0, 3.0]

@@ -12,11 +12,12 @@ import gzip
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import IO, Any, Literal
 
+import aiofiles
 import numpy as np
 import numpy.typing as npt
 
@@ -28,6 +29,7 @@ __all__ = (
     "load_agentic",
     "load_mooncake",
     "load_trace",
+    "stream_mooncake",
     "synthetic",
 )
 
@@ -143,15 +145,49 @@ def load_mooncake(path: _PathLike, *, limit: int | None = None) -> list[Request]
     start: float | None = None
     for where, record in _records(path, limit=limit):
         with _at(where):
-            stamp = _number(record, "timestamp")
-            start = stamp if start is None else start
-            arrival = (stamp - start) / 1000
-            _check(not requests or arrival >= requests[-1].arrival, "timestamp goes backwards")
-            requests.append(Request(
-                arrival=arrival, input_length=_int(record, "input_length"),
-                output_length=_int(record, "output_length"), block_size=MOONCAKE_BLOCK_SIZE,
-                hash_ids=_ids(record)))
+            start = _number(record, "timestamp") if start is None else start
+            requests.append(_mooncake_request(record, start, requests[-1] if requests else None))
     return requests
+
+
+async def stream_mooncake(path: _PathLike, *, limit: int | None = None
+                          ) -> AsyncIterator[Request]:
+    """`load_mooncake`, one request at a time, read with aiofiles: a large trace (plain
+    ``.jsonl``) streams on an event loop without loading it whole or blocking the loop on
+    reads (for a replay that honours timestamps while it reads).
+
+    Raises:
+        ConfigError: as `load_mooncake`, when the bad line is reached.
+    """
+    name = os.fspath(path)
+    limit = _limit(limit)
+    count, start, prev = 0, None, None
+    try:
+        async with aiofiles.open(name, encoding="utf-8") as lines:
+            lineno = 0
+            async for line in lines:
+                lineno += 1
+                if count == limit:
+                    return
+                if not line.strip():
+                    continue
+                where = f"{name}:{lineno}"
+                record = _parse_line(where, line)
+                with _at(where):
+                    start = _number(record, "timestamp") if start is None else start
+                    prev = _mooncake_request(record, start, prev)
+                count += 1
+                yield prev
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{name}: cannot read trace: {exc}") from exc
+
+
+def _mooncake_request(record: _Record, start: float, prev: Request | None) -> Request:
+    arrival = (_number(record, "timestamp") - start) / 1000
+    _check(prev is None or arrival >= prev.arrival, "timestamp goes backwards")
+    return Request(arrival=arrival, input_length=_int(record, "input_length"),
+                   output_length=_int(record, "output_length"), block_size=MOONCAKE_BLOCK_SIZE,
+                   hash_ids=_ids(record))
 
 
 # -- kv-cache-tester (agentic sessions) ------------------------------------------------------
@@ -413,14 +449,19 @@ def _parse_lines(name: str, lines: IO[str], limit: int | None) -> Iterator[tuple
         if not line.strip():
             continue
         where = f"{name}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where}: not JSON: {exc}") from exc
-        if not isinstance(record, dict):
-            raise ConfigError(f"{where}: expected a JSON object")
+        record = _parse_line(where, line)
         count += 1
         yield where, record
+
+
+def _parse_line(where: str, line: str) -> _Record:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: not JSON: {exc}") from exc
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where}: expected a JSON object")
+    return record
 
 
 @contextlib.contextmanager
