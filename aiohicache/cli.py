@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import tempfile
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -358,7 +359,7 @@ def replay(trace: str, limit: int | None, model: str, layers: int | None,
         raise click.UsageError(str(exc)) from exc
     _print_replay(results, trace, as_json=as_json, swept=sweep is not None or len(eviction) > 1)
     if plot is not None:
-        plot_sweep(results, plot, title=f"aiohicache replay: {trace}")
+        plot_sweep(results, plot, title=f"aiohicache replay: {os.path.basename(trace)}")
         if not as_json:
             click.echo(f"plot written to {plot}")
 

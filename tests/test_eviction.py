@@ -251,7 +251,7 @@ def test_arc_ghost_hits_move_the_target_towards_the_class_that_missed() -> None:
     tree = arc_tree(device=4)
     serve(tree, [1, 1, 2, 2])
     serve(tree, [3, 3, 4, 4])           # both class 0; 4 of 4 pages used
-    before = arc(tree).target
+    arc(tree).target = before = 1.0     # (it starts at the capacity: 4)
     serve(tree, [5, 5, 6, 6])           # evicts [1 1 2 2] (LRU of class 0): a class-0 ghost
     assert arc(tree).ghost_pages == [2, 0]
     assert serve(tree, [1, 1, 2, 2]) == 0  # missed, and it was a ghost: class 0 gets room

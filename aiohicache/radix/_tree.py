@@ -447,7 +447,8 @@ class RadixTree:
         return pages
 
     def evict_device(self, num_pages: int, *, write_back: PendingOp | None = None) -> Eviction:
-        """Free `num_pages` device pages if unpinned leaves allow, LRU first, page-granular.
+        """Free `num_pages` device pages if unpinned leaves allow, in the device policy's
+        order, page-granular.
 
         A leaf with a host copy is demoted to host-only. Without one it is deleted, or, given a
         `write_back` op, staged to the host: it becomes WRITING under that op and its device
@@ -499,7 +500,8 @@ class RadixTree:
             self._delete(node)
 
     def evict_host(self, num_pages: int) -> int:
-        """Free `num_pages` host pages from host-only leaves, LRU first, page-granular."""
+        """Free `num_pages` host pages from host-only leaves, in the host policy's order,
+        page-granular."""
         freed = 0
         while freed < num_pages:
             node = self.host_policy.pop(self._host_candidate)
