@@ -251,11 +251,11 @@ def test_arc_ghost_hits_move_the_target_towards_the_class_that_missed() -> None:
     tree = arc_tree(device=4)
     serve(tree, [1, 1, 2, 2])
     serve(tree, [3, 3, 4, 4])           # both class 0; 4 of 4 pages used
-    arc(tree).target = before = 1.0     # (it starts at the capacity: 4)
+    arc(tree).target = before = 1.0     # (it starts at 3/4 of the capacity)
     serve(tree, [5, 5, 6, 6])           # evicts [1 1 2 2] (LRU of class 0): a class-0 ghost
     assert arc(tree).ghost_pages == [2, 0]
     assert serve(tree, [1, 1, 2, 2]) == 0  # missed, and it was a ghost: class 0 gets room
-    assert arc(tree).target == before + 2
+    assert arc(tree).target == before + 2 * ARC.STEP
     assert arc(tree).ghost_pages[0] == 2  # [3 3 4 4] left for it, itself a ghost now
 
 
@@ -267,7 +267,7 @@ def test_arc_ghost_chain_follows_runs_evicted_from_the_tail() -> None:
     assert arc(tree).ghost_pages == [2, 0]
     arc(tree).target = 0.0
     serve(tree, [1, 1, 2, 2, 3, 3, 4, 4])
-    assert arc(tree).ghost_pages == [0, 0] and arc(tree).target == 2
+    assert arc(tree).ghost_pages == [0, 0] and arc(tree).target == 2 * ARC.STEP
 
 
 @pytest.mark.parametrize("eviction", ["arc", ("arc", "lru"), ("lfu", "arc")])

@@ -154,15 +154,17 @@ class ARC(EvictionPolicy):
     holds more than `target` pages, else from class 1 (either way the other when the first
     has no candidate). Victims leave ghosts, keyed by (parent id, first page): a later
     request that misses exactly those pages after that parent is evidence that their class
-    deserved more room, and moves `target` towards it by ``max(1, other ghosts / these
-    ghosts)`` pages per page missed, as ARC does. Ghosts hold at most `capacity` pages,
+    deserved more room, and moves `target` towards it by ``STEP * max(1, other ghosts /
+    these ghosts)`` pages per page missed. Ghosts hold at most ``GHOSTS * capacity`` pages,
     oldest dropped first.
 
-    NOTE: ARC starts with a target of 0; here it starts at `capacity`, so class 1 gives the
-    victims until ghosts show that pages hit again deserve room. Started at 0 or half the
-    capacity, the target takes most of a long trace to reach its level and costs up to 0.009
-    of hit ratio against LRU on the traces in docs/eviction.md; started at `capacity`, no
-    more than 0.003.
+    NOTE: ARC's constants are a target starting at 0, STEP = 1 and GHOSTS = 1. In a prefix
+    cache one request can miss a whole conversation's ghost pages at once, and each such
+    event swings the target across the cache; a target started low also takes most of a
+    long trace to rise. With ARC's constants `arc` fell up to 0.012 below LRU on the traces
+    of docs/eviction.md; with a target starting at 3/4 of the capacity, STEP = 1/4 and
+    GHOSTS = 1/2 (evidence from recent evictions only), no more than 0.001. The values
+    were chosen on those traces.
 
     Cost: push/pop O(log n); a miss looks up one ghost per evicted run it walks down (O(1)
     each, dict); `on_resident` O(1).
@@ -172,12 +174,15 @@ class ARC(EvictionPolicy):
     num_classes = 2
     counts_pages = True
     learns_from_misses = True
+    START: ClassVar[float] = 0.75
+    STEP: ClassVar[float] = 0.25
+    GHOSTS: ClassVar[float] = 0.5
 
     def __init__(self, capacity: int, page_size: int) -> None:
         super().__init__()
         self.capacity = capacity
         self.page_size = page_size
-        self.target = float(capacity)
+        self.target = self.START * capacity
         """Pages class 0 may hold before it gives up victims first (ARC's p)."""
         self.recent_pages = 0
         """Pages of class-0 nodes on the tier (ARC's |T1|), pinned ones included."""
@@ -205,7 +210,7 @@ class ARC(EvictionPolicy):
             self.ghost_pages[old.cls] -= old.num_pages
         self._ghosts[node.parent.id, node.key[:self.page_size].tobytes()] = ghost
         self.ghost_pages[ghost.cls] += ghost.num_pages
-        while self.ghost_pages[0] + self.ghost_pages[1] > self.capacity:
+        while self.ghost_pages[0] + self.ghost_pages[1] > self.GHOSTS * self.capacity:
             _, gone = self._ghosts.popitem(last=False)
             self.ghost_pages[gone.cls] -= gone.num_pages
 
@@ -223,7 +228,7 @@ class ARC(EvictionPolicy):
 
     def _adapt(self, cls: int, num_pages: int) -> None:
         these, other = self.ghost_pages[cls] + num_pages, self.ghost_pages[1 - cls]
-        step = num_pages * max(1.0, other / these)
+        step = self.STEP * num_pages * max(1.0, other / these)
         if cls == 0:
             self.target = min(float(self.capacity), self.target + step)
         else:
