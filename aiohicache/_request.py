@@ -243,27 +243,32 @@ class Request:
     # ------------------------------------------------------------------ release
 
     def release_op(self) -> None:
-        """Unpin and free the leases not committed (runs once; later calls do nothing)."""
-        pin, self.pin = self.pin, None
-        leases, self.leases = self.leases, []
+        """Unpin and free the leases not committed, now (runs once; later calls do nothing)."""
+        pin, leases = self._take()
+        self._release(pin, leases)
+
+    def release(self) -> None:
+        """Leave: the release runs now, or (TP) at the next tick; either way the context is
+        inactive at once."""
+        pin, leases = self._take()
+        self.releasing = pin is not None
+
+        def run() -> None:
+            self.releasing = False
+            self._release(pin, leases)
+        executor = self.core.executor
+        if executor is None:
+            run()
+        else:
+            executor.post(run)
+
+    def _take(self) -> tuple[int | None, list[PageIds]]:
+        pin, leases = self.pin, self.leases
+        self.pin, self.leases = None, []
+        return pin, leases
+
+    def _release(self, pin: int | None, leases: list[PageIds]) -> None:
         if pin is not None:
             self.core.pins.unpin(pin)
         for pages in leases:
             self.core.leases.release_owned(pages, self.owner)
-
-    def release(self) -> None:
-        """Leave: the release runs now, or (TP) at the next tick."""
-        executor = self.core.executor
-        if executor is None or (self.pin is None and not self.leases):
-            self.release_op()
-            return
-        pin, leases = self.pin, self.leases
-        self.pin, self.leases = None, []
-        self.releasing = pin is not None
-
-        def release_at_tick() -> None:
-            self.pin, self.leases = pin, leases
-            self.release_op()
-            self.releasing = False
-        executor.post(release_at_tick)
-
