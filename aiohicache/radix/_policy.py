@@ -161,9 +161,9 @@ class ARC(EvictionPolicy):
     NOTE: ARC's constants are a target starting at 0, STEP = 1 and GHOSTS = 1. In a prefix
     cache one request can miss a whole conversation's ghost pages at once, and each such
     event swings the target across the cache; a target started low also takes most of a
-    long trace to rise. With ARC's constants `arc` fell up to 0.012 below LRU on the traces
-    of docs/eviction.md; with a target starting at 3/4 of the capacity, STEP = 1/4 and
-    GHOSTS = 1/2 (evidence from recent evictions only), no more than 0.001. The values
+    long trace to rise. With ARC's step and ghosts `arc` fell up to 0.007 below LRU on the
+    traces of docs/eviction.md; with a target starting at 3/4 of the capacity, STEP = 1/4
+    and GHOSTS = 1/2 (evidence from recent evictions only), no more than 0.001. The values
     were chosen on those traces.
 
     Cost: push/pop O(log n); a miss looks up one ghost per evicted run it walks down (O(1)
@@ -204,11 +204,11 @@ class ARC(EvictionPolicy):
 
     def on_evict(self, node: Node) -> None:
         assert node.parent is not None
-        ghost = _Ghost(node.num_pages, self.cls(node), node.id)
-        old = self._ghosts.pop((node.parent.id, node.key[:self.page_size].tobytes()), None)
+        where = (node.parent.id, node.key[:self.page_size].tobytes())
+        old = self._ghosts.pop(where, None)
         if old is not None:
             self.ghost_pages[old.cls] -= old.num_pages
-        self._ghosts[node.parent.id, node.key[:self.page_size].tobytes()] = ghost
+        ghost = self._ghosts[where] = _Ghost(node.num_pages, self.cls(node), node.id)
         self.ghost_pages[ghost.cls] += ghost.num_pages
         while self.ghost_pages[0] + self.ghost_pages[1] > self.GHOSTS * self.capacity:
             _, gone = self._ghosts.popitem(last=False)
