@@ -169,10 +169,10 @@ async def stream_mooncake(path: _PathLike, *, limit: int | None = None
                 lineno += 1
                 if count == limit:
                     return
-                if not line.strip():
+                parsed = _numbered_record(name, lineno, line)
+                if parsed is None:
                     continue
-                where = f"{name}:{lineno}"
-                record = _parse_line(where, line)
+                where, record = parsed
                 with _at(where):
                     start = _number(record, "timestamp") if start is None else start
                     prev = _mooncake_request(record, start, prev)
@@ -446,12 +446,18 @@ def _parse_lines(name: str, lines: IO[str], limit: int | None) -> Iterator[tuple
     for lineno, line in enumerate(lines, start=1):
         if count == limit:
             return
-        if not line.strip():
-            continue
-        where = f"{name}:{lineno}"
-        record = _parse_line(where, line)
-        count += 1
-        yield where, record
+        parsed = _numbered_record(name, lineno, line)
+        if parsed is not None:
+            count += 1
+            yield parsed
+
+
+def _numbered_record(name: str, lineno: int, line: str) -> tuple[str, _Record] | None:
+    """A trace line's record and where it is (``path:line``); None for a blank line."""
+    if not line.strip():
+        return None
+    where = f"{name}:{lineno}"
+    return where, _parse_line(where, line)
 
 
 def _parse_line(where: str, line: str) -> _Record:
