@@ -1,0 +1,135 @@
+"""KV event records and one subscriber's bounded stream (`aiohicache.events` re-exports them)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Literal, Protocol, Self
+
+import anyio
+
+__all__ = ("AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch", "EventStream",
+           "KVEvent", "Medium")
+
+Medium = Literal["device", "host", "storage"]
+
+
+class _Publisher(Protocol):
+    """What a stream needs from the hub that feeds it."""
+
+    def unsubscribe(self, stream: EventStream) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Pages (blocks) now held by `medium`, in prefix order."""
+
+    block_hashes: list[bytes]
+    """Page keys (16-byte chained digests, the L3 keys; docs/storage.md)."""
+    parent_block_hash: bytes | None
+    """Key of the page before the first one; None at the start of a sequence."""
+    token_ids: list[int]
+    """The tokens of those pages (``len(block_hashes) * block_size``)."""
+    block_size: int
+    medium: Medium
+    lora_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Pages `medium` no longer holds."""
+
+    block_hashes: list[bytes]
+    medium: Medium
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Every page of L1 and L2 is gone (the cache closed)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """The events of one turn of the event loop, in the order the tiers changed."""
+
+    seq: int
+    """0, 1, 2, ... per cache; a gap means this subscriber dropped batches."""
+    ts: float
+    """Wall-clock time (`time.time()`) the batch was sealed."""
+    events: list[KVEvent]
+
+
+class EventStream:
+    """One subscriber's bounded queue of batches; an async iterator and context manager.
+
+    Leaving the block (or `aclose`) unsubscribes; so does dropping the last reference. Full
+    (`max_batches` unread): new batches are dropped and counted in `dropped`.
+
+    NOTE: a deque and an `anyio.Event`, not a memory object stream: the hub must drop the
+    newest batch and count it when a reader lags (``send_nowait`` would do that), but a
+    stream dropped without `aclose` must also unsubscribe quietly through the hub's weak
+    set, and an unclosed memory object stream warns when collected.
+    """
+
+    __slots__ = ("__weakref__", "_closed", "_hub", "_max", "_queue", "_waiter", "dropped")
+
+    def __init__(self, hub: _Publisher, max_batches: int) -> None:
+        self._hub = hub
+        self._max = max_batches
+        self._queue: deque[EventBatch] = deque()
+        self._waiter: anyio.Event | None = None
+        self._closed = False
+        self.dropped = 0
+
+    def _offer(self, batch: EventBatch) -> None:
+        if len(self._queue) >= self._max:
+            self.dropped += 1
+            return
+        self._queue.append(batch)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None:
+            self._waiter.set()
+
+    def _end(self) -> None:
+        self._closed = True
+        self._wake()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> EventBatch:
+        """The next batch; ends once the cache closed (after its last batch) or `aclose`.
+
+        Cancellation: only the wait stops; no batch is lost.
+        """
+        while not self._queue:
+            if self._closed:
+                raise StopAsyncIteration
+            self._waiter = anyio.Event()
+            try:
+                await self._waiter.wait()
+            finally:
+                self._waiter = None
+        return self._queue.popleft()
+
+    def get_nowait(self) -> EventBatch | None:
+        """The next queued batch, or None."""
+        return self._queue.popleft() if self._queue else None
+
+    async def aclose(self) -> None:
+        self._hub.unsubscribe(self)
+        self._end()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
