@@ -2,139 +2,32 @@
 
 Every method mutates the tree and the two page allocators to a consistent state before it
 returns; the async controller then moves bytes according to what the method reported. Only the
-event loop calls the tree, so it takes no lock (design rule 1).
+event loop calls the tree, so it takes no lock (design rule 1). Node state and the eviction
+queues live in the base class (`_state.TreeState`), what the queries return in `_results`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import numpy as np
-import numpy.typing as npt
 
 from ..errors import InvariantError
-from ..memory import PageAllocator, PageIds
+from ..memory import PageIds
 from ._node import DeviceState, HostState, Node, PendingOp
-from ._policy import EvictionPolicy, PolicyName, make_policy
+from ._results import Eviction, InsertResult, Match, Tokens, as_token_array, same_tokens
+from ._state import TreeState
 
-__all__ = ("Eviction", "InsertResult", "Match", "RadixTree")
-
-Tokens = npt.NDArray[np.int64]
-"""Token ids as a 1-D int64 array: compared in bulk without copies (slices are views)."""
+__all__ = ("Eviction", "InsertResult", "Match", "RadixTree", "Tokens")
 
 
-@dataclass(slots=True)
-class Match:
-    """What `RadixTree.match` found for a token sequence.
-
-    `path` lists the matched nodes root-down. Because device residency is prefix-closed, the
-    first `num_device_nodes` of them are on the device (settled or loading) and the rest are
-    host-only.
-    """
-
-    path: list[Node]
-    num_device_nodes: int
-    page_size: int
-
-    @property
-    def device_nodes(self) -> list[Node]:
-        return self.path[:self.num_device_nodes]
-
-    @property
-    def host_nodes(self) -> list[Node]:
-        return self.path[self.num_device_nodes:]
-
-    @property
-    def last_device_node(self) -> Node | None:
-        return self.path[self.num_device_nodes - 1] if self.num_device_nodes else None
-
-    @property
-    def last_node(self) -> Node | None:
-        return self.path[-1] if self.path else None
-
-    @property
-    def num_device_pages(self) -> int:
-        return sum(n.num_pages for n in self.device_nodes)
-
-    @property
-    def num_host_pages(self) -> int:
-        return sum(n.num_pages for n in self.host_nodes)
-
-    def device_pages(self) -> PageIds:
-        parts = [n.device_pages for n in self.device_nodes if n.device_pages is not None]
-        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-
-
-@dataclass(slots=True)
-class InsertResult:
-    """What `RadixTree.insert` did: nodes now holding the caller's pages, and duplicates."""
-
-    last_node: Node | None
-    new_nodes: list[Node] = field(default_factory=list)
-    duplicate_pages: list[PageIds] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Eviction:
-    """Pages a device eviction freed now, and nodes staged to the host (write-back)."""
-
-    freed_pages: int = 0
-    write_backs: list[Node] = field(default_factory=list)
-
-
-class RadixTree:
+class RadixTree(TreeState):
     """A page-granular radix tree whose nodes record device and host residency.
 
     Eviction order: each tier has an `EvictionPolicy` (``eviction`` names one for both
-    tiers, or a pair: device, host) that keeps its candidates in lazy min-heaps, e.g. keyed
-    by ``(last_access, id)`` (LRU) or ``(hit_count, last_access, id)`` (LFU). Entries go stale
-    when a node's key changes or it stops being a candidate; the policy's `pop` discards
-    those, and the heaps are rebuilt when stale entries outnumber live nodes. Push and pop
-    are O(log n); nothing scans the tree.
+    tiers, or a pair: device, host) that keeps its candidates in lazy min-heaps (see
+    `TreeState`). Push and pop are O(log n); nothing scans the tree.
     """
-
-    def __init__(self, *, page_size: int, device_alloc: PageAllocator,
-                 host_alloc: PageAllocator,
-                 eviction: PolicyName | tuple[PolicyName, PolicyName] = "lru") -> None:
-        self.page_size = page_size
-        self.device_alloc = device_alloc
-        self.host_alloc = host_alloc
-        self._ids = itertools.count(1)
-        self.root = Node(id=0, parent=None, key=np.empty(0, dtype=np.int64))
-        self.root.lock_ref = 1  # the root is never evicted
-        self._clock = 0
-        self.on_split: list[Callable[[Node, Node], None]] = []
-        """Called as ``hook(node, upper)`` when a node holding host refs is split."""
-        self.on_residency: list[Callable[[Node, str, bool], None]] = []
-        """Called as ``hook(node, "device" | "host", present)`` when a node gains or loses a
-        tier (KV events; aiohicache.events). Splits move no page between tiers: not called."""
-        self._num_nodes = 0
-        device, host = (eviction, eviction) if isinstance(eviction, str) else eviction
-        self.device_policy = make_policy(device, capacity=device_alloc.capacity,
-                                         page_size=page_size)
-        self.host_policy = make_policy(host, capacity=host_alloc.capacity, page_size=page_size)
-        self._counting = self._learning = False
-        self._policies_changed()
-        self.device_evicted_pages = 0
-        self.host_evicted_pages = 0
-        self.device_eviction_order: list[int] | None = None  # node ids, when tracing
-
-    # ------------------------------------------------------------------ queries
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    def iter_nodes(self) -> Iterator[Node]:
-        """Every node but the root, parents before children."""
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
 
     def match(self, tokens: Tokens | Sequence[int], *, touch: bool = True) -> Match:
         """Find the longest cached page-aligned prefix of `tokens`.
@@ -174,7 +67,7 @@ class RadixTree:
         when the match ends inside it; None when no child starts with the next page. After a
         split, the next step finds no child: the mismatching page starts the lower part."""
         child = node.children.get(tokens[pos:pos + self.page_size].tobytes())
-        if child is not None and not _same(tokens[pos:pos + len(child.key)], child.key):
+        if child is not None and not same_tokens(tokens[pos:pos + len(child.key)], child.key):
             child = self._split(child, self._common_pages(child.key, tokens, pos))
         return child
 
@@ -310,73 +203,6 @@ class RadixTree:
         parent.children[upper.key[:ps].tobytes()] = upper
         self._num_nodes += 1
         return upper
-
-    # ------------------------------------------------------------------ state changes
-
-    def _count_hit(self, node: Node) -> None:
-        if self._counting:  # the node may change class: its pages leave, then join again
-            self._account(node, -1)
-            node.hit_count += 1
-            self._account(node, 1)
-        else:
-            node.hit_count += 1
-
-    def _account(self, node: Node, sign: int) -> None:
-        if node.device_pages is not None:
-            self.device_policy.on_resident(node, sign * len(node.device_pages))
-        if node.host_pages is not None:
-            self.host_policy.on_resident(node, sign * len(node.host_pages))
-
-    def _set_device(self, node: Node, pages: PageIds | None, state: DeviceState) -> None:
-        was = node.on_device
-        if self._counting:
-            self.device_policy.on_resident(node, _num(pages) - _num(node.device_pages))
-        node.device_pages, node.device_state = pages, state
-        assert (pages is None) == (state is DeviceState.ABSENT)
-        if node.parent is not None and was != node.on_device:
-            node.parent.device_children += 1 if node.on_device else -1
-            self._offer(node.parent)
-        self._offer(node)
-        if self.on_residency and was != node.on_device:
-            for hook in self.on_residency:
-                hook(node, "device", node.on_device)
-
-    def _set_host(self, node: Node, pages: PageIds | None, state: HostState) -> None:
-        was = node.on_host
-        if self._counting:
-            self.host_policy.on_resident(node, _num(pages) - _num(node.host_pages))
-        node.host_pages, node.host_state = pages, state
-        assert (pages is None) == (state is HostState.ABSENT)
-        if node.parent is not None and was != node.on_host:
-            node.parent.host_children += 1 if node.on_host else -1
-            self._offer(node.parent)
-        self._offer(node)
-        if self.on_residency and was != node.on_host:
-            for hook in self.on_residency:
-                hook(node, "host", node.on_host)
-
-    def lock(self, node: Node | None) -> None:
-        """Pin `node` and its ancestors on the device."""
-        for n in node.path_to_root() if node is not None else ():
-            n.lock_ref += 1
-
-    def unlock(self, node: Node | None) -> None:
-        for n in node.path_to_root() if node is not None else ():
-            if n.lock_ref <= 0:
-                raise InvariantError(f"unlock: {n!r} is not locked")
-            n.lock_ref -= 1
-            if n.lock_ref == 0:
-                self._offer(n)
-
-    def protect_host(self, node: Node) -> None:
-        node.host_ref += 1
-
-    def release_host(self, node: Node) -> None:
-        if node.host_ref <= 0:
-            raise InvariantError(f"release_host: {node!r} is not protected")
-        node.host_ref -= 1
-        if node.host_ref == 0:
-            self._offer(node)
 
     def begin_load(self, node: Node, op: PendingOp, *,
                    write_back: PendingOp | None = None) -> bool:
@@ -516,164 +342,3 @@ class RadixTree:
             self._set_host(node, None, HostState.ABSENT)
             self._delete(node)
         return freed
-
-    def _delete(self, node: Node) -> None:
-        assert not node.children and not node.on_device and not node.on_host
-        parent = node.parent
-        assert parent is not None
-        del parent.children[node.key[:self.page_size].tobytes()]
-        node.alive = False
-        self._num_nodes -= 1
-        self._offer(parent)
-
-    def _device_candidate(self, node: Node) -> bool:
-        return (node.alive and node.device_state is DeviceState.RESIDENT
-                and node.device_children == 0 and node.lock_ref == 0
-                and node.host_state is not HostState.WRITING)
-
-    def _host_candidate(self, node: Node) -> bool:
-        return (node.alive and node.host_state is HostState.RESIDENT and not node.on_device
-                and not node.children and node.host_ref == 0 and node.parent is not None)
-
-    def _offer(self, node: Node) -> None:
-        """Queue `node` with the policy of each tier it is now an eviction candidate of."""
-        if node.parent is None:
-            return
-        if self._device_candidate(node):
-            self.device_policy.push(node)
-        if self._host_candidate(node):
-            self.host_policy.push(node)
-        if (self.device_policy.num_entries + self.host_policy.num_entries
-                > 4 * self._num_nodes + 1024):
-            self._compact()
-
-    def _compact(self) -> None:
-        nodes = list(self.iter_nodes())
-        self.device_policy.rebuild(n for n in nodes if self._device_candidate(n))
-        self.host_policy.rebuild(n for n in nodes if self._host_candidate(n))
-
-    def set_policies(self, *, device: EvictionPolicy | None = None,
-                     host: EvictionPolicy | None = None) -> None:
-        """Replace a tier's eviction policy (e.g. with `Belady`, which no name builds).
-
-        The new policy learns what the tier holds and queues its candidates: O(n), once.
-        """
-        self.device_policy = device or self.device_policy
-        self.host_policy = host or self.host_policy
-        self._policies_changed()
-        for policy, pages in ((device, "device_pages"), (host, "host_pages")):
-            if policy is not None and policy.counts_pages:
-                for node in self.iter_nodes():
-                    policy.on_resident(node, _num(getattr(node, pages)))
-        self._compact()
-
-    def _policies_changed(self) -> None:
-        policies = (self.device_policy, self.host_policy)
-        self._counting = any(p.counts_pages for p in policies)
-        self._learning = any(p.learns_from_misses for p in policies)
-
-    # ------------------------------------------------------------------ checks
-
-    def fingerprint(self, *, pages: bool = False) -> str:
-        """A digest of the tree's shape and tier states, stable across processes (equal trees
-        give equal values). With `pages`, page ids and ref counts count too (TP ranks agree
-        on those as well)."""
-        items: list[str] = []
-        for n in self.iter_nodes():
-            item: list[object] = [len(n.path_to_root()), n.key.tobytes(), n.device_state.value,
-                                  n.host_state.value]
-            if pages:
-                item += [_page_bytes(n.device_pages), _page_bytes(n.host_pages), n.lock_ref,
-                         n.host_ref, n.hit_count, n.last_access]
-            items.append(repr(item))
-        h = hashlib.blake2b(digest_size=16)
-        for text in sorted(items):
-            h.update(text.encode())
-        return h.hexdigest()
-
-    def check(self) -> None:
-        """Raise `InvariantError` if the tree's structure or tier states are inconsistent."""
-        seen_device: set[int] = set()
-        seen_host: set[int] = set()
-        count = 0
-        for node in self.iter_nodes():
-            count += 1
-            self._check_node(node)
-            _claim(seen_device, node.device_pages, f"device pages of {node!r}")
-            _claim(seen_host, node.host_pages, f"host pages of {node!r}")
-        if count != self._num_nodes:
-            raise InvariantError(f"node count {self._num_nodes} but {count} reachable")
-        for policy, pred, tier in ((self.device_policy, self._device_candidate, "on_device"),
-                                   (self.host_policy, self._host_candidate, "on_host")):
-            queued = policy.queued()
-            for node in self.iter_nodes():
-                if pred(node) and node.id not in queued:
-                    raise InvariantError(f"eviction candidate {node!r} is not queued")
-            problem = policy.problem(n for n in self.iter_nodes() if getattr(n, tier))
-            if problem:
-                raise InvariantError(problem)
-
-    def _check_node(self, node: Node) -> None:
-        problem = self._node_problem(node)
-        if problem:
-            raise InvariantError(f"{node!r}: {problem}")
-
-    def _node_problem(self, node: Node) -> str:
-        """The first broken invariant of `node`, or "" (messages built only on failure)."""
-        ps, parent = self.page_size, node.parent
-        if parent is None or parent.children.get(node.key[:ps].tobytes()) is not node:
-            return "not linked from its parent"
-        kids = node.children.values()
-        checks = (
-            (len(node.key) == node.num_pages * ps and node.num_pages > 0,
-             "key length disagrees with its pages"),
-            ((node.device_pages is None) == (not node.on_device), "device state vs pages"),
-            ((node.host_pages is None) == (not node.on_host), "host state vs pages"),
-            (node.on_device or node.on_host, "holds KV in no tier"),
-            (all(p is None or len(p) == node.num_pages
-                 for p in (node.device_pages, node.host_pages)), "page counts differ"),
-            (parent is self.root or parent.on_device or not node.on_device,
-             "device residency not prefix-closed"),
-            (parent is self.root or parent.on_host or not node.on_host,
-             "host residency not prefix-closed"),
-            (node.device_children == sum(c.on_device for c in kids), "device child count"),
-            (node.host_children == sum(c.on_host for c in kids), "host child count"),
-            (node.lock_ref >= sum(c.lock_ref for c in kids), "lock_ref below its children's"),
-            ((node.device_state is DeviceState.LOADING) == (node.load_op is not None),
-             "LOADING iff owned by a load"),
-            ((node.host_state is HostState.WRITING) == (node.write_op is not None),
-             "WRITING iff owned by a write"),
-        )
-        return next((message for ok, message in checks if not ok), "")
-
-
-def as_token_array(tokens: Tokens | Sequence[int]) -> Tokens:
-    if isinstance(tokens, np.ndarray) and tokens.dtype == np.int64:
-        return tokens
-    return np.asarray(tokens, dtype=np.int64)
-
-
-def _same(a: Tokens, b: Tokens) -> bool:
-    return len(a) == len(b) and bool((a == b).all())
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise InvariantError(message)
-
-
-def _claim(seen: set[int], pages: PageIds | None, what: str) -> None:
-    if pages is None:
-        return
-    ids = set(pages.tolist())
-    if len(ids) != len(pages) or ids & seen:
-        raise InvariantError(f"{what} are referenced twice")
-    seen |= ids
-
-
-def _num(pages: PageIds | None) -> int:
-    return 0 if pages is None else len(pages)
-
-
-def _page_bytes(pages: PageIds | None) -> bytes:
-    return b"-" if pages is None else pages.tobytes()

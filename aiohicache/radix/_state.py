@@ -1,0 +1,213 @@
+"""The radix tree's state: nodes' tier residency, pins, and each tier's eviction queue.
+
+`TreeState` is the base of `RadixTree`: it owns every change of a node's device or host
+state and keeps the tiers' eviction policies in step with it (a node is offered to a tier's
+policy whenever it may have become a candidate). `RadixTree` adds the operations.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from ..errors import InvariantError
+from ..memory import PageAllocator, PageIds
+from . import _check
+from ._node import DeviceState, HostState, Node
+from ._policy import EvictionPolicy, PolicyName, make_policy
+
+__all__ = ("TreeState",)
+
+
+class TreeState:
+    """A page-granular radix tree whose nodes record device and host residency.
+
+    Eviction order: each tier has an `EvictionPolicy` (``eviction`` names one for both
+    tiers, or a pair: device, host) that keeps its candidates in lazy min-heaps, e.g. keyed
+    by ``(last_access, id)`` (LRU) or ``(hit_count, last_access, id)`` (LFU). Entries go stale
+    when a node's key changes or it stops being a candidate; the policy's `pop` discards
+    those, and the heaps are rebuilt when stale entries outnumber live nodes. Push and pop
+    are O(log n); nothing scans the tree.
+    """
+
+    def __init__(self, *, page_size: int, device_alloc: PageAllocator,
+                 host_alloc: PageAllocator,
+                 eviction: PolicyName | tuple[PolicyName, PolicyName] = "lru") -> None:
+        self.page_size = page_size
+        self.device_alloc = device_alloc
+        self.host_alloc = host_alloc
+        self._ids = itertools.count(1)
+        self.root = Node(id=0, parent=None, key=np.empty(0, dtype=np.int64))
+        self.root.lock_ref = 1  # the root is never evicted
+        self._clock = 0
+        self.on_split: list[Callable[[Node, Node], None]] = []
+        """Called as ``hook(node, upper)`` when a node holding host refs is split."""
+        self.on_residency: list[Callable[[Node, str, bool], None]] = []
+        """Called as ``hook(node, "device" | "host", present)`` when a node gains or loses a
+        tier (KV events; aiohicache.events). Splits move no page between tiers: not called."""
+        self._num_nodes = 0
+        device, host = (eviction, eviction) if isinstance(eviction, str) else eviction
+        self.device_policy = make_policy(device, capacity=device_alloc.capacity,
+                                         page_size=page_size)
+        self.host_policy = make_policy(host, capacity=host_alloc.capacity, page_size=page_size)
+        self._counting = self._learning = False
+        self._policies_changed()
+        self.device_evicted_pages = 0
+        self.host_evicted_pages = 0
+        self.device_eviction_order: list[int] | None = None  # node ids, when tracing
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every node but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    # ------------------------------------------------------------------ state changes
+
+    def _count_hit(self, node: Node) -> None:
+        if self._counting:  # the node may change class: its pages leave, then join again
+            self._account(node, -1)
+            node.hit_count += 1
+            self._account(node, 1)
+        else:
+            node.hit_count += 1
+
+    def _account(self, node: Node, sign: int) -> None:
+        if node.device_pages is not None:
+            self.device_policy.on_resident(node, sign * len(node.device_pages))
+        if node.host_pages is not None:
+            self.host_policy.on_resident(node, sign * len(node.host_pages))
+
+    def _set_device(self, node: Node, pages: PageIds | None, state: DeviceState) -> None:
+        was = node.on_device
+        if self._counting:
+            self.device_policy.on_resident(node, _num(pages) - _num(node.device_pages))
+        node.device_pages, node.device_state = pages, state
+        assert (pages is None) == (state is DeviceState.ABSENT)
+        if node.parent is not None and was != node.on_device:
+            node.parent.device_children += 1 if node.on_device else -1
+            self._offer(node.parent)
+        self._offer(node)
+        if self.on_residency and was != node.on_device:
+            for hook in self.on_residency:
+                hook(node, "device", node.on_device)
+
+    def _set_host(self, node: Node, pages: PageIds | None, state: HostState) -> None:
+        was = node.on_host
+        if self._counting:
+            self.host_policy.on_resident(node, _num(pages) - _num(node.host_pages))
+        node.host_pages, node.host_state = pages, state
+        assert (pages is None) == (state is HostState.ABSENT)
+        if node.parent is not None and was != node.on_host:
+            node.parent.host_children += 1 if node.on_host else -1
+            self._offer(node.parent)
+        self._offer(node)
+        if self.on_residency and was != node.on_host:
+            for hook in self.on_residency:
+                hook(node, "host", node.on_host)
+
+    def lock(self, node: Node | None) -> None:
+        """Pin `node` and its ancestors on the device."""
+        for n in node.path_to_root() if node is not None else ():
+            n.lock_ref += 1
+
+    def unlock(self, node: Node | None) -> None:
+        for n in node.path_to_root() if node is not None else ():
+            if n.lock_ref <= 0:
+                raise InvariantError(f"unlock: {n!r} is not locked")
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._offer(n)
+
+    def protect_host(self, node: Node) -> None:
+        node.host_ref += 1
+
+    def release_host(self, node: Node) -> None:
+        if node.host_ref <= 0:
+            raise InvariantError(f"release_host: {node!r} is not protected")
+        node.host_ref -= 1
+        if node.host_ref == 0:
+            self._offer(node)
+
+    def _delete(self, node: Node) -> None:
+        assert not node.children and not node.on_device and not node.on_host
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key[:self.page_size].tobytes()]
+        node.alive = False
+        self._num_nodes -= 1
+        self._offer(parent)
+
+    def _device_candidate(self, node: Node) -> bool:
+        return (node.alive and node.device_state is DeviceState.RESIDENT
+                and node.device_children == 0 and node.lock_ref == 0
+                and node.host_state is not HostState.WRITING)
+
+    def _host_candidate(self, node: Node) -> bool:
+        return (node.alive and node.host_state is HostState.RESIDENT and not node.on_device
+                and not node.children and node.host_ref == 0 and node.parent is not None)
+
+    def _offer(self, node: Node) -> None:
+        """Queue `node` with the policy of each tier it is now an eviction candidate of."""
+        if node.parent is None:
+            return
+        if self._device_candidate(node):
+            self.device_policy.push(node)
+        if self._host_candidate(node):
+            self.host_policy.push(node)
+        if (self.device_policy.num_entries + self.host_policy.num_entries
+                > 4 * self._num_nodes + 1024):
+            self._compact()
+
+    def _compact(self) -> None:
+        nodes = list(self.iter_nodes())
+        self.device_policy.rebuild(n for n in nodes if self._device_candidate(n))
+        self.host_policy.rebuild(n for n in nodes if self._host_candidate(n))
+
+    def set_policies(self, *, device: EvictionPolicy | None = None,
+                     host: EvictionPolicy | None = None) -> None:
+        """Replace a tier's eviction policy (e.g. with `Belady`, which no name builds).
+
+        The new policy learns what the tier holds and queues its candidates: O(n), once.
+        """
+        self.device_policy = device or self.device_policy
+        self.host_policy = host or self.host_policy
+        self._policies_changed()
+        for policy, pages in ((device, "device_pages"), (host, "host_pages")):
+            if policy is not None and policy.counts_pages:
+                for node in self.iter_nodes():
+                    policy.on_resident(node, _num(getattr(node, pages)))
+        self._compact()
+
+    def _policies_changed(self) -> None:
+        policies = (self.device_policy, self.host_policy)
+        self._counting = any(p.counts_pages for p in policies)
+        self._learning = any(p.learns_from_misses for p in policies)
+
+    # ------------------------------------------------------------------ checks
+
+    # ------------------------------------------------------------------ checks
+
+    def fingerprint(self, *, pages: bool = False) -> str:
+        """A digest of the tree's shape and tier states, stable across processes (equal trees
+        give equal values). With `pages`, page ids and ref counts count too (TP ranks agree
+        on those as well)."""
+        return _check.fingerprint(self, pages=pages)
+
+    def check(self) -> None:
+        """Raise `InvariantError` if the tree's structure or tier states are inconsistent."""
+        _check.check(self)
+
+
+def _num(pages: PageIds | None) -> int:
+    return 0 if pages is None else len(pages)
