@@ -1,7 +1,8 @@
 """aiohicache: an asyncio-native hierarchical KV-cache manager for LLM serving."""
 
+from ._stats import StorageStats, TPStats
 from .api import CacheStats, FetchContext, HiCache
-from .config import HiCacheConfig, KVSpec
+from .config import HiCacheConfig, KVSpec, StorageConfig, TPConfig, TransferConfig
 from .errors import (
     CapacityError,
     ClosedError,
@@ -33,8 +34,13 @@ __all__ = (
     "KVSpec",
     "PageError",
     "StorageError",
+    "StorageConfig",
     "StorageReadError",
+    "StorageStats",
     "StorageWriteError",
+    "TPConfig",
+    "TPStats",
+    "TransferConfig",
     "TransferEngine",
     "TransferError",
     "TransferHandle",

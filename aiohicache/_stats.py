@@ -4,12 +4,70 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from ._core import Core
 
-__all__ = ("CacheStats", "Counters", "snapshot")
+__all__ = ("CacheStats", "Counters", "StorageStats", "TPStats", "snapshot")
+
+
+class _ByName:
+    """Read access by field name (``stats.storage["errors"]``): these groups were plain dicts
+    before they were typed, and callers that index them keep working."""
+
+    __slots__ = ()
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self.keys():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return getattr(self, name) if name in self.keys() else default
+
+    def keys(self) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(self))  # type: ignore[arg-type]
+
+    def as_dict(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in self.keys()}
+
+
+@dataclass(frozen=True, slots=True)
+class StorageStats(_ByName):
+    """The L3 tier's counters (pages unless named) and state."""
+
+    prefetches: int
+    """Prefetches from L3 that inserted pages."""
+    prefetched_pages: int
+    prefetch_misses: int
+    """Prefetches L3 had too few pages for."""
+    negative_hits: int
+    """Prefetches skipped because L3 recently did not have the prefix."""
+    backed_up_pages: int
+    backup_failed_pages: int
+    backups_skipped: int
+    errors: int
+    """L3 operations that failed (each one a miss)."""
+    bypassed: int
+    """L3 operations skipped while the breaker was open."""
+    breaker: str
+    """``closed``, ``open`` or ``half_open``."""
+    corrupt: int
+    """Objects the backend rejected by their checksum or key (each one a miss)."""
+    capacity_bytes: int | None = None
+    """The backend's byte budget, when it has one and reports it."""
+    used_bytes: int | None = None
+    """Bytes the backend holds, when it reports them."""
+
+
+@dataclass(frozen=True, slots=True)
+class TPStats(_ByName):
+    """Consensus ticks of a tensor-parallel cache."""
+
+    ticks: int
+    tick_us_mean: float
+    """Mean microseconds a tick spent in the collective (NaN before the first tick)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +105,9 @@ class CacheStats:
     num_nodes: int
     worker_restarts: int
     health: Literal["ok", "degraded", "failed"]
-    storage: dict[str, int | str] | None = None
+    storage: StorageStats | None = None
     """L3 counters (prefetched / backed-up pages, misses, errors, breaker state), if any."""
-    tp: dict[str, float] | None = None
+    tp: TPStats | None = None
     """Consensus ticks (count, mean µs in the collective) with ``tp_size > 1``."""
 
     @property
@@ -101,11 +159,12 @@ def health(core: Core) -> Literal["ok", "degraded", "failed"]:
     return "ok"
 
 
-def _storage_stats(core: Core) -> dict[str, int | str] | None:
+def _storage_stats(core: Core) -> StorageStats | None:
     storage = core.storage
     if storage is None:
         return None
-    out: dict[str, int | str] = dict(dataclasses.asdict(storage.counters))
-    out["breaker"] = storage.breaker.state.value
-    out["corrupt"] = storage.backend.stats().corrupt
-    return out
+    backend = storage.backend.stats()
+    return StorageStats(**dataclasses.asdict(storage.counters),
+                        breaker=storage.breaker.state.value, corrupt=backend.corrupt,
+                        capacity_bytes=getattr(backend, "capacity_bytes", None),
+                        used_bytes=getattr(backend, "used_bytes", None))

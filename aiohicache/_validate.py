@@ -24,7 +24,7 @@ def check_int(name: str, value: object, *, low: int | None = None, high: int | N
     """
     if _is_int(value, numpy_ok) and (low is None or value >= low) and (  # type: ignore[operator]
             high is None or value <= high):  # type: ignore[operator]
-        return int(value)  # type: ignore[call-overload]
+        return int(value)  # type: ignore[call-overload,no-any-return]
     raise error(f"{name}: must be {_int_bound(low, high)}, got {value!r}")
 
 

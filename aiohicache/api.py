@@ -54,7 +54,7 @@ class HiCache:
     Use it as an async context manager; the workers run while it is open. All methods must be
     called from the event loop that opened it.
 
-    With tensor parallelism (``config.tp_size > 1``) pass the ranks' `TPGroup`; every rank
+    With tensor parallelism (``config.tp.size > 1``) pass the ranks' `TPGroup`; every rank
     must then make the same request-path calls in the same order (docs/tensor-parallel.md).
 
     `engine` replaces the transfer engine the config chooses: an engine, or a callable
@@ -69,7 +69,7 @@ class HiCache:
             raise ConfigError(f"config: must be a HiCacheConfig, got {type(config).__name__}")
         _check_group(config, tp_group)
         self.config = config
-        self.tp_group = tp_group if config.tp_size > 1 else None
+        self.tp_group = tp_group if config.tp.size > 1 else None
         self.device_pool = DevicePool(config.spec, num_pages=config.device_pages,
                                       page_size=config.page_size, device=config.device)
         self.host_pool = HostPool(config.spec, num_pages=config.host_capacity_pages,
@@ -149,7 +149,7 @@ class HiCache:
         from .transfer.cuda import CudaTransferEngine  # imports CuPy: only on CUDA
 
         return CudaTransferEngine(self.device_pool, self.host_pool, backend=backend,
-                                  ctas=self.config.transfer_ctas)
+                                  ctas=self.config.transfer.ctas)
 
     async def _run(self, started: asyncio.Future[None]) -> None:
         assert self._core.controller is not None
@@ -183,7 +183,7 @@ class HiCache:
         if self._core.tp is not None and not self._core.tp.finished.done():
             # Closing is an op: every rank stops ticking at the same tick, once all is settled.
             self._core.tp.post(self._core.tp.close_op, lazy=False)
-            with anyio.move_on_after(self.config.tp_timeout + 60):
+            with anyio.move_on_after(self.config.tp.timeout + 60):
                 await asyncio.shield(self._core.tp.finished)
         await ctl.close_channels()
         with anyio.move_on_after(60):
@@ -287,7 +287,7 @@ class HiCache:
 
 def _check_group(config: HiCacheConfig, group: TPGroup | None) -> None:
     if group is None:
-        if config.tp_size > 1:
+        if config.tp.size > 1:
             raise ConfigError(f"tp_group: tp_size is {config.tp_size}; pass the ranks' TPGroup")
         return
     if not isinstance(group, TPGroup):

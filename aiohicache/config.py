@@ -9,19 +9,28 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
+from ._config_groups import (
+    IOBackend,
+    PrefetchPolicy,
+    StorageConfig,
+    TPConfig,
+    TransferConfig,
+    WritePolicy,
+    flatten,
+    group_of,
+)
+from ._validate import check_choice, check_int, check_number
 from .errors import ConfigError
 
-__all__ = ("HiCacheConfig", "KVSpec", "parse_dtype")
+__all__ = ("HiCacheConfig", "KVSpec", "StorageConfig", "TPConfig", "TransferConfig",
+           "parse_dtype")
 
 HostLayout = Literal["layer_first", "page_first"]
-WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
-IOBackend = Literal["auto", "cpu", "kernel", "direct"]
 Eviction = Literal["lru", "lfu", "arc"]
-PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -55,26 +64,7 @@ def parse_dtype(value: str | torch.dtype, *, field_name: str = "dtype") -> torch
 
 
 def _positive_int(name: str, value: object, *, upper: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}: must be a positive int, got {value!r}")
-    if upper is not None and value > upper:
-        raise ConfigError(f"{name}: must be at most {upper}, got {value!r}")
-
-
-def _non_negative_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{name}: must be an int >= 0, got {value!r}")
-
-
-def _non_negative_number(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not (
-            math.isfinite(value) and value >= 0):
-        raise ConfigError(f"{name}: must be a finite number >= 0, got {value!r}")
-
-
-def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name}: must be one of {allowed}, got {value!r}")
+    check_int(name, value, low=1, high=upper)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,7 +94,7 @@ class KVSpec:
     """MLA: width of the decoupled rotary key part."""
 
     def __post_init__(self) -> None:
-        _choice("kind", self.kind, ("mha", "mla"))
+        check_choice("kind", self.kind, ("mha", "mla"))
         _positive_int("num_layers", self.num_layers)
         if not isinstance(self.dtype, torch.dtype):
             object.__setattr__(self, "dtype", parse_dtype(self.dtype))
@@ -114,9 +104,7 @@ class KVSpec:
             _positive_int("head_dim", self.head_dim)
         else:
             _positive_int("kv_lora_rank", self.kv_lora_rank)
-            if isinstance(self.rope_dim, bool) or not isinstance(self.rope_dim, int) \
-                    or self.rope_dim < 0:
-                raise ConfigError(f"rope_dim: must be an int >= 0, got {self.rope_dim!r}")
+            check_int("rope_dim", self.rope_dim, low=0)
 
     @classmethod
     def mha(cls, *, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -256,6 +244,13 @@ class HiCacheConfig:
     extra: dict[str, object] = field(default_factory=dict)
     """Free-form settings for plug-ins; ignored by the core."""
 
+    transfer: TransferConfig = field(init=False, repr=False, compare=False)
+    """The transfer fields as one typed group (what the transfer controller receives)."""
+    l3: StorageConfig = field(init=False, repr=False, compare=False)
+    """The L3 fields (`storage`, ``prefetch_*``, ``backup_*``, ``storage_*``) as one group."""
+    tp: TPConfig = field(init=False, repr=False, compare=False)
+    """The ``tp_*`` fields as one typed group."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.spec, KVSpec):
             raise ConfigError(f"spec: must be a KVSpec, got {type(self.spec).__name__}")
@@ -264,33 +259,38 @@ class HiCacheConfig:
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
             raise ConfigError(f"device: must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         self._check_host()
-        _choice("host_layout", self.host_layout, ("layer_first", "page_first"))
-        _choice("write_policy", self.write_policy,
-                ("write_through", "write_through_selective", "write_back"))
-        if self.write_through_threshold is not None:
-            _positive_int("write_through_threshold", self.write_through_threshold)
-        if isinstance(self.load_back_threshold, bool) or not isinstance(
-                self.load_back_threshold, int) or self.load_back_threshold < 0:
-            raise ConfigError(
-                f"load_back_threshold: must be an int >= 0, got {self.load_back_threshold!r}")
-        _choice("io_backend", self.io_backend, ("auto", "cpu", "kernel", "direct"))
+        check_choice("host_layout", self.host_layout, ("layer_first", "page_first"))
+        # Each group validates its own fields; only checks across groups are made here.
+        for name, cls in (("transfer", TransferConfig), ("l3", StorageConfig), ("tp", TPConfig)):
+            object.__setattr__(self, name, group_of(cls, self))
+        self._check_io_backend()
+        self._check_eviction()
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise ConfigError(f"namespace: must be a non-empty str, got {self.namespace!r}")
+
+    @classmethod
+    def build(cls, *, transfer: TransferConfig | None = None, l3: StorageConfig | None = None,
+              tp: TPConfig | None = None, **flat: Any) -> HiCacheConfig:
+        """A config from typed groups and flat fields, e.g.
+        ``HiCacheConfig.build(spec=..., device_pages=64, tp=TPConfig(rank=1, size=2))``.
+
+        Raises:
+            ConfigError: a field is given both in a group and flat, or is invalid.
+        """
+        for group in (g for g in (transfer, l3, tp) if g is not None):
+            for name, value in flatten(group).items():
+                if name in flat:
+                    raise ConfigError(f"{name}: given both flat and in {type(group).__name__}")
+                flat[name] = value
+        return cls(**flat)
+
+    def _check_io_backend(self) -> None:
         if self.device == "cpu" and self.io_backend in ("kernel", "direct"):
             raise ConfigError(f"io_backend: {self.io_backend!r} needs a CUDA device; "
                               "use 'cpu' or 'auto' with device='cpu'")
         if self.device != "cpu" and self.io_backend == "cpu":
             raise ConfigError("io_backend: 'cpu' copies CPU pools only; with a CUDA device "
                               "use 'kernel', 'direct' or 'auto'")
-        _positive_int("transfer_ctas", self.transfer_ctas, upper=1024)
-        self._check_eviction()
-        if not isinstance(self.namespace, str) or not self.namespace:
-            raise ConfigError(f"namespace: must be a non-empty str, got {self.namespace!r}")
-        _positive_int("max_inflight_loads", self.max_inflight_loads)
-        _positive_int("max_inflight_writes", self.max_inflight_writes)
-        self._check_storage()
-        if isinstance(self.max_worker_restarts, bool) or not isinstance(
-                self.max_worker_restarts, int) or self.max_worker_restarts < 0:
-            raise ConfigError(
-                f"max_worker_restarts: must be an int >= 0, got {self.max_worker_restarts!r}")
 
     def _check_eviction(self) -> None:
         tiers = self.eviction if isinstance(self.eviction, tuple) else (self.eviction,)
@@ -300,42 +300,11 @@ class HiCacheConfig:
         if len(tiers) not in (1, 2):
             raise ConfigError(f"eviction: a name or a pair (L1, L2), got {self.eviction!r}")
         for name in tiers:
-            _choice("eviction", name, ("lru", "lfu", "arc"))
-
-    def _check_storage(self) -> None:
-        if isinstance(self.storage, str):
-            from .storage.factory import check_url  # storage imports config: not at the top
-
-            check_url(self.storage)
-        elif self.storage is not None and not all(
-                hasattr(self.storage, m) for m in ("exists", "get_into", "set_from", "aclose")):
-            raise ConfigError("storage: must be None, a URL or a StorageBackend object")
-        _choice("prefetch_policy", self.prefetch_policy,
-                ("best_effort", "wait_complete", "timeout"))
-        _non_negative_int("prefetch_threshold", self.prefetch_threshold)
-        for name in ("prefetch_timeout_base", "prefetch_timeout_per_1k_tokens",
-                     "prefetch_timeout_max", "storage_miss_ttl", "storage_cooldown"):
-            _non_negative_number(name, getattr(self, name))
-        frac = self.prefetch_host_fraction
-        if isinstance(frac, bool) or not isinstance(frac, int | float) or not 0 < frac <= 1:
-            raise ConfigError(f"prefetch_host_fraction: must be in (0, 1], got {frac!r}")
-        _positive_int("backup_threshold", self.backup_threshold)
-        _positive_int("backup_max_inflight_bytes", self.backup_max_inflight_bytes)
-        _positive_int("storage_failures_to_open", self.storage_failures_to_open)
-        _non_negative_int("storage_miss_max_entries", self.storage_miss_max_entries)
-        _non_negative_int("tp_rank", self.tp_rank)
-        _positive_int("tp_size", self.tp_size)
-        if self.tp_rank >= self.tp_size:
-            raise ConfigError(f"tp_rank: {self.tp_rank} must be below tp_size {self.tp_size}")
-        _non_negative_number("tp_tick_interval", self.tp_tick_interval)
-        _non_negative_number("tp_timeout", self.tp_timeout)
-        if self.tp_timeout == 0:
-            raise ConfigError("tp_timeout: must be above 0")
+            check_choice("eviction", name, ("lru", "lfu", "arc"))
 
     def prefetch_timeout(self, num_tokens: int) -> float:
         """Seconds a ``timeout``-policy fetch waits for an L3 prefetch of `num_tokens`."""
-        return min(self.prefetch_timeout_max, self.prefetch_timeout_base
-                   + self.prefetch_timeout_per_1k_tokens * num_tokens / 1024)
+        return self.l3.prefetch_timeout(num_tokens)
 
     def _check_host(self) -> None:
         if self.host_pages is not None and self.host_pages != 0:  # 0: no L2 tier
@@ -345,10 +314,7 @@ class HiCacheConfig:
             if self.host_bytes < self.page_bytes:
                 raise ConfigError(f"host_bytes: {self.host_bytes} is smaller than one page "
                                   f"({self.page_bytes} bytes)")
-        ratio = self.host_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not (
-                math.isfinite(ratio) and ratio > 0):
-            raise ConfigError(f"host_ratio: must be a finite number > 0, got {ratio!r}")
+        check_number("host_ratio", self.host_ratio, low=0, low_open=True)
 
     @property
     def page_bytes(self) -> int:
@@ -367,9 +333,7 @@ class HiCacheConfig:
     @property
     def hit_threshold(self) -> int:
         """Hits after which a device node is written through to the host."""
-        if self.write_through_threshold is not None:
-            return self.write_through_threshold
-        return 2 if self.write_policy == "write_through_selective" else 1
+        return self.transfer.hit_threshold
 
     @property
     def resolved_io_backend(self) -> Literal["cpu", "kernel", "direct"]:

@@ -176,17 +176,20 @@ class CacheCollector(Collector):
                                      "Nodes of the radix tree."), s.num_nodes)
 
     def _storage(self, s: CacheStats) -> Iterator[Metric]:
-        storage = self.cache._core.storage
-        if storage is None:
+        storage, stats = self.cache._core.storage, s.storage
+        if storage is None or stats is None:
             return
-        stats = s.storage or {}
         for name, key, doc in _STORAGE_COUNTERS:
-            yield self._counter(name, doc, float(stats.get(key, 0)))
+            yield self._counter(name, doc, float(getattr(stats, key)))
         yield self._counter("storage_breaker_opened", "Times the L3 breaker opened.",
                             storage.breaker.times_opened)
         yield self._state_set("storage_breaker_state",
                               "1 for the L3 breaker's current state, else 0.", BREAKER_STATES,
-                              str(stats.get("breaker", storage.breaker.state.value)))
+                              stats.breaker)
+        for key, doc in (("capacity_bytes", "The L3 backend's byte budget."),
+                         ("used_bytes", "Bytes the L3 backend holds.")):
+            if (value := getattr(stats, key)) is not None:
+                yield self._add(self._family(GaugeMetricFamily, f"storage_{key}", doc), value)
 
 
 def render(cache: HiCache, *, labels: Mapping[str, str] | None = None) -> bytes:

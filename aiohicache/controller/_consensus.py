@@ -35,6 +35,7 @@ import anyio
 import numpy as np
 
 from .._concurrency import Signal
+from .._stats import TPStats
 from ..config import HiCacheConfig
 from ..distributed import TPGroup
 from ..errors import DivergenceError, HiCacheError, RankTimeoutError, TPError, WorkerError
@@ -197,7 +198,7 @@ class Consensus:
 
     async def _wait_for_news(self, busy: bool) -> None:
         if busy:  # some rank has work in flight: tick at least every interval
-            with anyio.move_on_after(self.config.tp_tick_interval):
+            with anyio.move_on_after(self.config.tp.tick_interval):
                 await self._news.wait()
             self._news.clear()
             return
@@ -322,9 +323,9 @@ class Consensus:
             return type(failure)(str(failure))
         return TPError("the consensus tick has stopped (the cache is closed)")
 
-    def stats(self) -> dict[str, float]:
-        return {"ticks": self.ticks, "tick_us_mean": (
-            self.tick_seconds / self.ticks * 1e6 if self.ticks else math.nan)}
+    def stats(self) -> TPStats:
+        return TPStats(ticks=self.ticks, tick_us_mean=(
+            self.tick_seconds / self.ticks * 1e6 if self.ticks else math.nan))
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:

@@ -136,7 +136,7 @@ class _MissCache:
 def shard(config: HiCacheConfig) -> tuple[int, int]:
     """The (rank, size) naming this rank's L3 objects: MLA KV is the same on every rank, so
     its objects are shared by all ranks (and by caches of any TP size)."""
-    return (0, 1) if config.spec.kind == "mla" else (config.tp_rank, config.tp_size)
+    return (0, 1) if config.spec.kind == "mla" else (config.tp.rank, config.tp.size)
 
 
 def page_format(config: HiCacheConfig) -> PageFormat:

@@ -82,10 +82,11 @@ class StorageTier:
         self.root = namespace_root(namespace=config.namespace,
                                    spec_fingerprint=config.spec.fingerprint(), page_size=ps,
                                    layout=config.host_layout, tp_rank=rank, tp_size=size)
-        self.backend: StorageBackend = backend_from_url(config.storage, self.fmt)  # type: ignore[arg-type]
-        self._owns_backend = isinstance(config.storage, str)  # an object passed in is the caller's
-        self.breaker = Breaker(failures_to_open=config.storage_failures_to_open,
-                               cooldown_s=config.storage_cooldown)
+        self.backend: StorageBackend = backend_from_url(config.l3.backend, self.fmt)  # type: ignore[arg-type]
+        # An object passed in is the caller's to close; a store made from a URL is ours.
+        self._owns_backend = isinstance(config.l3.backend, str)
+        self.breaker = Breaker(failures_to_open=config.l3.failures_to_open,
+                               cooldown_s=config.l3.cooldown)
         self.counters = StorageCounters()
         self.histograms = TransferHistograms()
         """Bytes and seconds of each L3 read (load, L3 -> L2) and write (store, L2 -> L3)."""
@@ -93,8 +94,8 @@ class StorageTier:
         """Called as ``hook(node, pages)`` with the indices of `node`'s pages newly in L3."""
         self.reserved_host: dict[int, PageIds] = {}  # prefetch id -> host pages not in tree
         self._inflight: dict[bytes, PrefetchJob] = {}
-        self._misses = _MissCache(ttl=config.storage_miss_ttl,
-                                  max_entries=config.storage_miss_max_entries)
+        self._misses = _MissCache(ttl=config.l3.miss_ttl,
+                                  max_entries=config.l3.miss_max_entries)
         self._backing_up: list[_Backup] = []
         self._backup_bytes = 0
         self._backup_room = anyio.Event()
@@ -139,7 +140,7 @@ class StorageTier:
         ps, cfg = self.config.page_size, self.config
         start = sum(n.num_pages for n in path)
         tail_pages = len(tokens) // ps - start
-        if self._tg is None or tail_pages * ps < max(cfg.prefetch_threshold, 1):
+        if self._tg is None or tail_pages * ps < max(cfg.l3.prefetch_threshold, 1):
             return None
         if not self._allow():
             self.counters.bypassed += 1
@@ -175,10 +176,12 @@ class StorageTier:
 
     def wait_seconds(self, num_tokens: int) -> float:
         """How long a fetch of `num_tokens` waits for its prefetch (0: not at all)."""
-        policy = self.config.prefetch_policy
+        policy = self.config.l3.prefetch_policy
         if policy == "best_effort":
             return 0.0
-        return math.inf if policy == "wait_complete" else self.config.prefetch_timeout(num_tokens)
+        if policy == "wait_complete":
+            return math.inf
+        return self.config.l3.prefetch_timeout(num_tokens)
 
     async def _prefetch(self, job: PrefetchJob) -> None:
         """Task: exists -> reserve host pages -> get_into -> insert what arrived.
@@ -229,11 +232,11 @@ class StorageTier:
 
     def _on_count(self, job: PrefetchJob, count: int) -> bool:
         """Sync: L3 has `count` pages; reserve host pages for them. False: nothing to read."""
-        if count * self.config.page_size < max(self.config.prefetch_threshold, 1):
+        if count * self.config.page_size < max(self.config.l3.prefetch_threshold, 1):
             self.counters.prefetch_misses += 1
             self._misses.add(job.keys[job.start_page], self._now())
             return False
-        budget = int(self.host_pool.num_pages * self.config.prefetch_host_fraction)
+        budget = int(self.host_pool.num_pages * self.config.l3.prefetch_host_fraction)
         held = sum(len(p) for p in self.reserved_host.values())
         count = min(count, budget - held)
         if count <= 0:
@@ -298,7 +301,7 @@ class StorageTier:
     def queue_backup(self, nodes: list[Node]) -> None:
         """Back up the settled host copies of `nodes` (those with enough hits), later."""
         picked = [n for n in nodes if n.alive and n.host_state is HostState.RESIDENT
-                  and n.hashes is not None and n.hit_count >= self.config.backup_threshold
+                  and n.hashes is not None and n.hit_count >= self.config.l3.backup_threshold
                   and not all(n.stored or ())]
         if not picked or self._tg is None:
             return
@@ -317,7 +320,7 @@ class StorageTier:
         ok: list[bool] = [False] * len(backup.keys)
         try:
             while self._backup_bytes and self._backup_bytes + nbytes > \
-                    self.config.backup_max_inflight_bytes:
+                    self.config.l3.backup_max_inflight_bytes:
                 await self._backup_room.wait()
             self._backup_bytes += nbytes
             try:
@@ -362,9 +365,9 @@ class StorageTier:
 
     def _writes(self, key: bytes) -> bool:
         """Whether this rank writes the page with `key` (MLA pages: one rank, by the key)."""
-        if self.config.spec.kind != "mla" or self.config.tp_size == 1:
+        if self.config.spec.kind != "mla" or self.config.tp.size == 1:
             return True
-        return int.from_bytes(key[:8], "little") % self.config.tp_size == self.config.tp_rank
+        return int.from_bytes(key[:8], "little") % self.config.tp.size == self.config.tp.rank
 
     def _on_stored(self, backup: _Backup, ok: list[bool]) -> None:
         """Sync: record which pages are in L3, release the pins."""

@@ -58,9 +58,9 @@ class Controller:
         self.tp = tp
         self.kick: Callable[[], None] = lambda: None  # TP: tells the consensus tick of news
         self._load_tx, self._load_rx = anyio.create_memory_object_stream[LoadJob](
-            config.max_inflight_loads)
+            config.transfer.max_inflight_loads)
         self._write_tx, self._write_rx = anyio.create_memory_object_stream[WriteJob](
-            config.max_inflight_writes)
+            config.transfer.max_inflight_writes)
         self._loads: deque[LoadJob] = deque()    # launched, in launch order
         self._writes: deque[WriteJob] = deque()
         self._queued = 0                          # jobs sent but not yet launched
@@ -107,7 +107,7 @@ class Controller:
         """
         tail = match.host_nodes
         if not tail or match.num_host_pages * self.tree.page_size < max(
-                1, self.config.load_back_threshold):
+                1, self.config.transfer.load_back_threshold):
             return None
         for node in tail:  # keep host eviction (write-back staging) off what we load
             self.tree.protect_host(node)
@@ -137,10 +137,10 @@ class Controller:
 
     def plan_write_through(self, last: Node | None) -> WriteJob | None:
         """Start write-through for nodes on the path to `last` that reached the hit threshold."""
-        if self.config.write_policy == "write_back" or last is None:
+        if self.config.transfer.write_policy == "write_back" or last is None:
             return None
         job: WriteJob | None = None
-        threshold = self.config.hit_threshold
+        threshold = self.config.transfer.hit_threshold
         for node in reversed(last.path_to_root()):
             if node.on_host:
                 continue
@@ -162,7 +162,7 @@ class Controller:
         return pages
 
     def _write_back_op(self) -> WriteJob | None:
-        return WriteJob(demote=True) if self.config.write_policy == "write_back" else None
+        return WriteJob(demote=True) if self.config.transfer.write_policy == "write_back" else None
 
     def _submit_staged(self, staged: WriteJob | None) -> None:
         if staged is None or not staged.nodes:
@@ -294,7 +294,7 @@ class Controller:
         The settle worker gets no restart: a crash inside `settle` leaves a job half applied
         (nodes LOADING/WRITING for good), so the cache must stop serving, visibly.
         """
-        limit = self.config.max_worker_restarts if max_restarts is None else max_restarts
+        limit = self.config.transfer.max_worker_restarts if max_restarts is None else max_restarts
         restarts = 0
         while True:
             try:
@@ -323,8 +323,8 @@ class Controller:
 
     async def _drain_channel(self, rx: MemoryObjectReceiveStream[J],
                              launch: Callable[[list[J]], None], inflight: deque[J]) -> None:
-        limit = self.config.max_inflight_loads if rx is self._load_rx \
-            else self.config.max_inflight_writes
+        limit = self.config.transfer.max_inflight_loads if rx is self._load_rx \
+            else self.config.transfer.max_inflight_writes
         async for job in rx:
             batch = [job]
             while True:  # merge whatever else is queued into the same copy

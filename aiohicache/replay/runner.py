@@ -314,9 +314,9 @@ async def _replay(config: ReplayConfig, cache_config: HiCacheConfig,
         requests=stats.requests, prompt_tokens=stats.prompt_tokens,
         l1_tokens=stats.device_hit_tokens, l2_tokens=stats.host_hit_tokens,
         l3_tokens=stats.storage_hit_tokens,
-        bytes_l3_read=int((stats.storage or {}).get("prefetched_pages", 0))
+        bytes_l3_read=(stats.storage.prefetched_pages if stats.storage else 0)
         * cache_config.page_bytes,
-        bytes_l3_written=int((stats.storage or {}).get("backed_up_pages", 0))
+        bytes_l3_written=(stats.storage.backed_up_pages if stats.storage else 0)
         * cache_config.page_bytes,
         recomputed_tokens=stats.miss_tokens, not_inserted=not_inserted,
         bytes_h2d=stats.loaded_bytes, bytes_d2h=stats.written_bytes,
