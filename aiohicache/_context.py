@@ -11,6 +11,7 @@ import torch
 from ._core import Core
 from ._request import Request, alloc_op
 from ._tokens import TokenInput, as_tokens
+from ._validate import check_int
 from .controller import LoadJob
 from .errors import CapacityError, ClosedError, ConfigError
 from .memory import PageIds
@@ -31,8 +32,7 @@ async def lease(core: Core, num_tokens: int, owner: int) -> PageIds:
 
 
 def check_count(num_tokens: int) -> None:
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-        raise ConfigError(f"num_tokens: must be a positive int, got {num_tokens!r}")
+    check_int("num_tokens", num_tokens, low=1)
 
 
 class FetchContext:
@@ -123,8 +123,7 @@ class FetchContext:
         Cancellation: cancels only the wait; loads go on and stay shared with other requests.
         """
         num_layers = self._req.core.config.spec.num_layers
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
-            raise ConfigError(f"layer: must be in 0..{num_layers - 1}, got {layer!r}")
+        check_int("layer", layer, low=0, high=num_layers - 1)
         self._req.check_active()
         for job in list(self._req.jobs):
             if stream is None:

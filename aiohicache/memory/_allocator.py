@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ConfigError, PageError
+from .._validate import check_int
+from ..errors import PageError
 
 __all__ = ("PageAllocator", "PageIds")
 
@@ -28,8 +29,7 @@ class PageAllocator:
     __slots__ = ("_free", "_mark", "_name", "_top", "_used")
 
     def __init__(self, capacity: int, *, name: str = "pool") -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-            raise ConfigError(f"capacity: must be an int >= 0, got {capacity!r}")
+        check_int("capacity", capacity, low=0)
         self._name = name
         # Stack with its top at the end; reversed so the first alloc returns 0, 1, 2, ...
         self._free: PageIds = np.arange(capacity - 1, -1, -1, dtype=np.int64)
@@ -54,8 +54,7 @@ class PageAllocator:
 
     def alloc(self, n: int) -> PageIds | None:
         """Take `n` free pages, or return None (and take nothing) if fewer are free."""
-        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
-            raise ConfigError(f"n: must be an int >= 0, got {n!r}")
+        check_int("n", n, low=0, numpy_ok=True)
         if n > self._top:
             return None
         pages = self._free[self._top - n:self._top][::-1].copy()

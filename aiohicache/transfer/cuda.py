@@ -31,6 +31,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from .._validate import check_int
 from ..errors import ClosedError, ConfigError
 from ..memory import DevicePool, HostPool, PageIds
 from . import kernels
@@ -241,10 +242,8 @@ def _check_args(device_pool: DevicePool, host_pool: HostPool, backend: str, ctas
                           "(HostPool(..., pin_memory=True))")
     if backend not in ("kernel", "direct"):
         raise ConfigError(f"backend: must be 'kernel' or 'direct', got {backend!r}")
-    if isinstance(ctas, bool) or not isinstance(ctas, int) or not 1 <= ctas <= 1024:
-        raise ConfigError(f"ctas: must be an int in 1..1024, got {ctas!r}")
-    if isinstance(threads, bool) or not isinstance(threads, int) or not (
-            32 <= threads <= 1024 and threads % 32 == 0):
+    check_int("ctas", ctas, low=1, high=1024)
+    if check_int("threads", threads, low=32, high=1024) % 32:
         raise ConfigError(f"threads: must be a multiple of 32 in 32..1024, got {threads!r}")
 
 
