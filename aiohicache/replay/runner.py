@@ -8,24 +8,25 @@ whatever the pages held, and every copy between tiers is real. Nothing is simula
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
-import math
-import re
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import anyio
+from anyio.abc import TaskGroup
 
-from .._lagprobe import LagSummary, LoopLagProbe, idle_floor, quiet_runtime
+from .._lagprobe import LoopLagProbe, idle_floor, quiet_runtime
+from .._validate import check_int, check_number
 from ..api import HiCache
 from ..config import HiCacheConfig, KVSpec
 from ..errors import CapacityError, ConfigError
 from ..radix import Belady
+from ._result import ReplayResult, Timing, make_result
+from ._units import parse_capacity, scaled_spec
 from .belady import FutureUses
 from .traces import Request
 
@@ -46,59 +47,6 @@ MODELS: dict[str, KVSpec] = {
 """Model presets: the KV of one token on one tensor-parallel rank (TP = 1)."""
 
 TimeMode = Literal["fast", "timestamps"]
-
-
-def scaled_spec(spec: KVSpec, kv_scale: int) -> KVSpec:
-    """`spec` with bytes per token divided by `kv_scale`.
-
-    Lets a laptop replay production capacities in tokens: tier sizes in tokens, hit ratios
-    and page counts stay those of the model; bytes shrink by `kv_scale`. Layers go first
-    (fewer, wider copies stay efficient), then the row narrows; at least 16 bytes per row
-    are kept where the scale allows.
-
-    Raises:
-        ConfigError: `kv_scale` does not divide layers x row width.
-    """
-    if isinstance(kv_scale, bool) or not isinstance(kv_scale, int) or kv_scale < 1:
-        raise ConfigError(f"kv_scale: must be a positive int, got {kv_scale!r}")
-    if kv_scale == 1:
-        return spec
-    layers, width = spec.num_layers, spec.row_elems
-    if (layers * width) % kv_scale:
-        raise ConfigError(f"kv_scale: {kv_scale} does not divide layers x row width "
-                          f"({layers} x {width}) of {spec.fingerprint()}")
-    layer_div = math.gcd(layers, kv_scale)
-    row_div = kv_scale // layer_div
-    if width % row_div:
-        raise ConfigError(f"kv_scale: {kv_scale} cannot be split between {layers} layers and "
-                          f"a row of {width}")
-    layers, width = layers // layer_div, width // row_div
-    if spec.kind == "mha":
-        return KVSpec.mha(num_layers=layers, num_kv_heads=1, head_dim=width, dtype=spec.dtype)
-    return KVSpec.mla(num_layers=layers, kv_lora_rank=width, rope_dim=0, dtype=spec.dtype)
-
-
-_TOKENS = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)\s*(tok|tokens)?\s*$")
-_BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]i?)?[bB]\s*$")
-_SI = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_IEC = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_capacity(text: str, *, bytes_per_token: int, field_name: str) -> int:
-    """Tokens from ``"512k"``, ``"10.24M"``, ``"2000"`` (tokens) or ``"4GiB"``, ``"1.5GB"``.
-
-    Raises:
-        ConfigError: the text is neither form.
-    """
-    m = _TOKENS.match(text)
-    if m:
-        return int(float(m.group(1)) * _SI[m.group(2).lower()])
-    m = _BYTES.match(text)
-    if m:
-        unit = (m.group(2) or "").lower()
-        scale = _IEC.get(unit) or _SI[unit]
-        return int(float(m.group(1)) * scale) // bytes_per_token
-    raise ConfigError(f"{field_name}: {text!r} is neither tokens (512k, 10M) nor bytes (4GiB)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -137,15 +85,10 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         if self.time_mode not in ("fast", "timestamps"):
             raise ConfigError(f"time_mode: must be 'fast' or 'timestamps', got {self.time_mode!r}")
-        if not (isinstance(self.speedup, int | float) and self.speedup > 0):
-            raise ConfigError(f"speedup: must be > 0, got {self.speedup!r}")
-        if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or \
-                self.concurrency < 1:
-            raise ConfigError(f"concurrency: must be a positive int, got {self.concurrency!r}")
-        for name in ("device_tokens", "host_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name}: must be an int >= 0, got {value!r}")
+        check_number("speedup", self.speedup, low=0, low_open=True)
+        check_int("concurrency", self.concurrency, low=1)
+        check_int("device_tokens", self.device_tokens, low=0)
+        check_int("host_tokens", self.host_tokens, low=0)
         if self.device_tokens < self.page_size:
             raise ConfigError(f"device_tokens: {self.device_tokens} is less than one page "
                               f"({self.page_size} tokens)")
@@ -184,80 +127,34 @@ def _online(tiers: tuple[str, str]) -> Any:
     return device if device == host else (device, host)
 
 
-@dataclass(frozen=True, slots=True)
-class ReplayResult:
-    """What a replay measured. Token counts are prompt tokens.
-
-    ``hit_ratio`` = (L1 + L2 + L3 tokens) / prompt tokens, token-weighted over all requests,
-    no warm-up excluded; only whole cached pages count.
-    """
-
-    requests: int
-    prompt_tokens: int
-    l1_tokens: int
-    l2_tokens: int
-    l3_tokens: int
-    recomputed_tokens: int
-    not_inserted: int
-    """Requests whose new KV did not fit beside everything pinned (served, not cached)."""
-    bytes_h2d: int
-    bytes_d2h: int
-    bytes_l3_read: int
-    bytes_l3_written: int
-    model_bytes_h2d: int
-    """`bytes_h2d` times `kv_scale`: what the unscaled model would move."""
-    model_bytes_d2h: int
-    wall_seconds: float
-    lag: LagSummary
-    device_tokens: int
-    host_tokens: int
-    storage: str | None
-    bytes_per_token: int
-    kv_scale: int
-    extra: dict[str, float] = field(default_factory=dict)
-    eviction: str = "lru"
-    lag_floor: LagSummary | None = None
-    """The same probe on the idle loop right after the replay (`idle_floor`): the machine's
-    share of `lag`."""
-
-    @property
-    def hit_ratio(self) -> float:
-        hits = self.l1_tokens + self.l2_tokens + self.l3_tokens
-        return hits / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def requests_per_second(self) -> float:
-        return self.requests / self.wall_seconds if self.wall_seconds else 0.0
-
-    @property
-    def storage_gbps(self) -> float:
-        """Bytes moved between L2 and L3 (both directions) per second of wall time."""
-        return (self.bytes_l3_read + self.bytes_l3_written) / self.wall_seconds / 1e9 \
-            if self.wall_seconds else 0.0
-
-    @property
-    def transfer_gbps(self) -> float:
-        """Bytes moved between L1 and L2 (both directions) per second of wall time."""
-        return (self.bytes_h2d + self.bytes_d2h) / self.wall_seconds / 1e9 \
-            if self.wall_seconds else 0.0
-
-
 Progress = Callable[[int], None]
+Serve = Callable[[Request], Awaitable[None]]
 
 
-async def replay(config: ReplayConfig, requests: Sequence[Request], *,
+Requests = Sequence[Request] | AsyncIterable[Request]
+"""A trace: a list, or a stream read as the replay proceeds (`traces.stream_trace`)."""
+
+
+async def replay(config: ReplayConfig, requests: Requests, *,
                  progress: Progress | None = None) -> ReplayResult:
     """Replay `requests` through a fresh `HiCache` built from `config`.
 
-    `progress(n)` is called as requests complete.
+    `requests` is a list, or an async iterable (`traces.stream_trace`) that the replay reads
+    as it goes: with ``timestamps`` a request is read shortly before it is due, so a long
+    trace is never loaded whole. `progress(n)` is called as requests complete.
 
     With ``opt`` eviction the requests are rewritten first (`FutureUses`): hit ratios are
     those of the trace, token ids are not.
+
+    Raises:
+        ConfigError: ``opt`` with a stream (it needs the whole trace), or a bad trace line.
 
     Cancellation: in-flight requests are cancelled (they unpin) and the cache is closed.
     """
     future = None
     if "opt" in eviction_tiers(config.eviction):
+        if not isinstance(requests, Sequence):
+            raise ConfigError("eviction: 'opt' needs the whole trace, not a stream")
         future = FutureUses(requests, config.page_size)
         requests = future.requests
     with contextlib.ExitStack() as stack:
@@ -277,60 +174,62 @@ def _use_belady(cache: HiCache, config: ReplayConfig, future: FutureUses) -> Non
     cache.tree.set_policies(device=device, host=host)
 
 
-async def _replay(config: ReplayConfig, cache_config: HiCacheConfig,
-                  requests: Sequence[Request], progress: Progress | None,
-                  future: FutureUses | None = None) -> ReplayResult:
-    not_inserted = 0
-    order = itertools.count()
+class _Server:
+    """Serves one request at a time as an engine would, and counts what it saw."""
 
-    async def serve(request: Request) -> None:
-        nonlocal not_inserted
-        if future is not None:  # sequential (ReplayConfig checks): requests start in order
-            future.now = next(order)
-        if not await _serve(cache, request):
-            not_inserted += 1
-        if progress is not None:
-            progress(1)
+    __slots__ = ("cache", "future", "not_inserted", "order", "progress")
 
+    def __init__(self, cache: HiCache, progress: Progress | None,
+                 future: FutureUses | None) -> None:
+        self.cache, self.progress, self.future = cache, progress, future
+        self.not_inserted = 0
+        self.order = itertools.count()
+
+    async def __call__(self, request: Request) -> None:
+        """Cancellation: the request's fetch context unpins; nothing is counted."""
+        if self.future is not None:  # sequential (ReplayConfig checks): in order
+            self.future.now = next(self.order)
+        if not await _serve(self.cache, request):
+            self.not_inserted += 1
+        if self.progress is not None:
+            self.progress(1)
+
+
+async def _replay(config: ReplayConfig, cache_config: HiCacheConfig, requests: Requests,
+                  progress: Progress | None, future: FutureUses | None = None) -> ReplayResult:
     async with HiCache(cache_config) as cache, LoopLagProbe() as probe:
         if future is not None:
             _use_belady(cache, config, future)
+        server = _Server(cache, progress, future)
         start = time.perf_counter()
-        if config.time_mode == "fast" and config.concurrency == 1 and config.settle:
-            for request in requests:
-                await serve(request)
-                await cache.drain()
-        elif config.time_mode == "fast":
-            await _run_fast(serve, requests, config.concurrency)
-        else:
-            await _run_timed(serve, requests, config)
+        await _drive(server, requests, config)
         await cache.drain()
         wall = time.perf_counter() - start
         stats = cache.stats()
         lag = probe.summary()
     cache.check_invariants()
     floor = await idle_floor(min(1.0, max(0.1, wall / 10)))
-    return ReplayResult(
-        requests=stats.requests, prompt_tokens=stats.prompt_tokens,
-        l1_tokens=stats.device_hit_tokens, l2_tokens=stats.host_hit_tokens,
-        l3_tokens=stats.storage_hit_tokens,
-        bytes_l3_read=(stats.storage.prefetched_pages if stats.storage else 0)
-        * cache_config.page_bytes,
-        bytes_l3_written=(stats.storage.backed_up_pages if stats.storage else 0)
-        * cache_config.page_bytes,
-        recomputed_tokens=stats.miss_tokens, not_inserted=not_inserted,
-        bytes_h2d=stats.loaded_bytes, bytes_d2h=stats.written_bytes,
-        model_bytes_h2d=stats.loaded_bytes * config.kv_scale,
-        model_bytes_d2h=stats.written_bytes * config.kv_scale, wall_seconds=wall,
-        lag=lag, device_tokens=cache_config.device_pages * config.page_size,
-        host_tokens=cache_config.host_capacity_pages * config.page_size,
-        storage=config.storage,
-        bytes_per_token=cache_config.spec.bytes_per_token, kv_scale=config.kv_scale,
-        eviction=config.eviction, lag_floor=floor)
+    return make_result(config, cache_config, stats, Timing(wall, lag, floor),
+                   server.not_inserted)
+
+
+async def _drive(serve: _Server, requests: Requests, config: ReplayConfig) -> None:
+    """Run every request at the pace `config` says."""
+    if config.time_mode == "fast" and config.concurrency == 1 and config.settle:
+        async for request in _each(requests):
+            await serve(request)
+            await serve.cache.drain()
+    elif config.time_mode == "fast":
+        await _run_fast(serve, requests, config.concurrency)
+    else:
+        await _run_timed(serve, requests, config)
 
 
 async def _serve(cache: HiCache, request: Request) -> bool:
-    """One request, as an engine runs it. Returns False if its new KV could not be cached."""
+    """One request, as an engine runs it. Returns False if its new KV could not be cached.
+
+    Cancellation: the fetch context unpins and frees its lease.
+    """
     tokens = request.tokens()
     async with cache.fetch(tokens) as hit:
         await hit.ready()
@@ -345,31 +244,57 @@ async def _serve(cache: HiCache, request: Request) -> bool:
     return True
 
 
-async def _run_fast(serve: Callable[[Request], Any], requests: Sequence[Request],
-                    concurrency: int) -> None:
-    limit = anyio.Semaphore(concurrency)
-    async with anyio.create_task_group() as tg:
+async def _each(requests: Requests) -> AsyncIterator[Request]:
+    """The requests of a list or a stream, in order."""
+    if isinstance(requests, Sequence):
         for request in requests:
+            yield request
+    else:
+        async for request in requests:
+            yield request
+
+
+async def _run_fast(serve: Serve, requests: Requests, concurrency: int) -> None:
+    limit = anyio.Semaphore(concurrency)
+    async with _reading() as tg:
+        async for request in _each(requests):
             await limit.acquire()
             tg.start_soon(_release_after, serve, request, limit)
 
 
-async def _run_timed(serve: Callable[[Request], Any], requests: Sequence[Request],
-                     config: ReplayConfig) -> None:
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
+async def _run_timed(serve: Serve, requests: Requests, config: ReplayConfig) -> None:
+    """Start each request at its arrival / speedup (a list is sorted by arrival first; a
+    stream is in arrival order, `stream_mooncake` checks it)."""
+    if isinstance(requests, Sequence):
+        requests = sorted(requests, key=lambda r: r.arrival)
+    t0 = anyio.current_time()
     limit = anyio.Semaphore(config.concurrency if config.concurrency > 1 else 1_000_000)
-    async with anyio.create_task_group() as tg:
-        for request in sorted(requests, key=lambda r: r.arrival):
-            delay = t0 + request.arrival / config.speedup - loop.time()
+    async with _reading() as tg:
+        async for request in _each(requests):
+            delay = t0 + request.arrival / config.speedup - anyio.current_time()
             if delay > 0:
-                await asyncio.sleep(delay)
+                await anyio.sleep(delay)
             await limit.acquire()
             tg.start_soon(_release_after, serve, request, limit)
 
 
-async def _release_after(serve: Callable[[Request], Any], request: Request,
-                         limit: anyio.Semaphore) -> None:
+@contextlib.asynccontextmanager
+async def _reading() -> AsyncIterator[TaskGroup]:
+    """A task group for the requests, whose body reads the trace: a bad trace line
+    (`ConfigError`, raised in the body) cancels the requests and is raised as itself, not
+    wrapped in an exception group as a failed request is."""
+    error: ConfigError | None = None
+    async with anyio.create_task_group() as tg:
+        try:
+            yield tg
+        except ConfigError as exc:
+            error = exc
+            tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+
+
+async def _release_after(serve: Serve, request: Request, limit: anyio.Semaphore) -> None:
     try:
         await serve(request)
     finally:
