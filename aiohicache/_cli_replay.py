@@ -1,0 +1,200 @@
+"""``aiohicache replay``: replay a serving trace through a real cache (docs/replay.md)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import click
+from tqdm import tqdm
+
+from ._cli_common import comma_list, evictions, l3_url, loop_option, run
+from .config import KVSpec
+from .errors import ConfigError
+from .replay import Request, load_trace, stream_trace
+from .replay.report import format_result, format_sweep, plot_sweep, to_json
+from .replay.runner import MODELS, ReplayConfig, ReplayResult, parse_capacity, sweep_configs
+from .replay.runner import replay as run_replay
+
+_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+Trace = Callable[[], "Sequence[Request] | AsyncIterator[Request]"]
+"""Gives the requests of one replay: the loaded list, or a fresh stream of the file."""
+
+
+def _options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The options of ``replay``, in the order ``--help`` lists them."""
+    options = [
+        click.argument("trace", default="mooncake"),
+        click.option("--limit", type=click.IntRange(min=1), default=None,
+                     help="Replay only the first N requests."),
+        click.option("--model", type=click.Choice(sorted(MODELS)), default="llama3-8b",
+                     show_default=True, help="KV size per token from a model preset."),
+        click.option("--layers", type=int, default=None, help="Explicit MHA spec: layers ..."),
+        click.option("--kv-heads", type=int, default=None, help="... KV heads per layer ..."),
+        click.option("--head-dim", type=int, default=None, help="... head dimension ..."),
+        click.option("--dtype", default="bf16", show_default=True, help="... and dtype."),
+        click.option("--kv-scale", type=click.IntRange(min=1), default=4096, show_default=True,
+                     help="Divide bytes per token by this so production capacities fit a "
+                          "laptop."),
+        *_cache_options(),
+        *_pacing_options(),
+        *_output_options(),
+        loop_option,
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _cache_options() -> list[Callable[[Any], Any]]:
+    return [
+        click.option("--l1", "l1", default="1M", show_default=True,
+                     help="L1 capacity: tokens (256k, 1M) or model bytes (32GiB)."),
+        click.option("--l2", "l2", default="4M", show_default=True,
+                     help="L2 capacity: tokens or model bytes; 0 for a single tier."),
+        click.option("--l3", "l3", default="tmp", show_default=True, callback=l3_url,
+                     help="L3: 'tmp' (a temporary file store), 'none', or a URL (file:///dir, "
+                          "redis://host:port/0, memory://)."),
+        click.option("--prefetch-policy", default="wait_complete", show_default=True,
+                     type=click.Choice(["wait_complete", "timeout", "best_effort"])),
+        click.option("--page-size", type=click.IntRange(1, 256), default=256, show_default=True,
+                     help="Tokens per page (L3 stores one object per page)."),
+        click.option("--write-policy", type=click.Choice(_POLICIES), default="write_through",
+                     show_default=True),
+        click.option("--eviction", default="lru", show_default=True, callback=evictions,
+                     help="Eviction policy: lru, lfu, arc, or opt (Belady's offline optimum); "
+                          "L1:L2 for one per tier (arc:lru); comma-separated to compare "
+                          "policies."),
+        click.option("--host-layout", type=click.Choice(["page_first", "layer_first"]),
+                     default="page_first", show_default=True),
+    ]
+
+
+def _pacing_options() -> list[Callable[[Any], Any]]:
+    return [
+        click.option("--time", "time_mode", type=click.Choice(["fast", "timestamps"]),
+                     default="fast", show_default=True,
+                     help="As fast as possible, or honour arrival times (the trace file is "
+                          "then read as the replay proceeds)."),
+        click.option("--speedup", type=float, default=1.0, show_default=True,
+                     help="With --time timestamps: replay this many times faster than "
+                          "recorded."),
+        click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Requests in flight at once (1: sequential, deterministic)."),
+        click.option("--settle/--no-settle", default=True, show_default=True,
+                     help="Sequential replays: let each request's copies settle before the "
+                          "next (same numbers every run)."),
+    ]
+
+
+def _output_options() -> list[Callable[[Any], Any]]:
+    return [
+        click.option("--sweep", default=None, callback=comma_list,
+                     help="Comma-separated L1 capacities: print the hit-ratio curve."),
+        click.option("--plot", type=click.Path(dir_okay=False), default=None,
+                     help="With --sweep: write the curve as a PNG."),
+        click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables."),
+        click.option("--no-progress", is_flag=True, help="No progress bar."),
+    ]
+
+
+@click.command()
+@_options
+def replay(trace: str, limit: int | None, l3: str, eviction: list[str], time_mode: str,
+           sweep: list[str] | None, plot: str | None, as_json: bool, no_progress: bool,
+           loop: str, **spec_and_tiers: Any) -> None:
+    """Replay a serving trace through a real cache and report what each tier served.
+
+    TRACE is "mooncake" (a bundled 2,000-request slice of the Mooncake conversation trace),
+    "synthetic", a Mooncake-format .jsonl file, or a kv-cache-tester .jsonl.gz file.
+    Several --eviction policies replay one after another and print side by side.
+    """
+    try:
+        base = _base_config(l3=l3, eviction=eviction[0], time_mode=time_mode,
+                            **spec_and_tiers)
+        configs = sweep_configs(base, [base.device_tokens] if sweep is None else
+                                _sweep_tokens(sweep, base.spec.bytes_per_token), eviction)
+        requests = _trace(trace, limit, streamed=time_mode == "timestamps")
+        results = [_replay_one(c, requests, loop, total=limit,
+                               progress=not (no_progress or as_json)) for c in configs]
+    except ConfigError as exc:  # also a pool larger than the machine: device_pages from --l1
+        raise click.UsageError(str(exc)) from exc
+    _print_replay(results, trace, as_json=as_json, swept=sweep is not None or len(eviction) > 1)
+    if plot is not None:
+        plot_sweep(results, plot, title=f"aiohicache replay: {os.path.basename(trace)}")
+        if not as_json:
+            click.echo(f"plot written to {plot}")
+
+
+def _base_config(*, model: str, layers: int | None, kv_heads: int | None,
+                 head_dim: int | None, dtype: str, l1: str, l2: str, l3: str,
+                 **rest: Any) -> ReplayConfig:
+    """The replay's config from the command's options (`ReplayConfig` checks the rest)."""
+    spec = _replay_spec(model, layers, kv_heads, head_dim, dtype)
+    return ReplayConfig(
+        spec=spec,
+        device_tokens=parse_capacity(l1, bytes_per_token=spec.bytes_per_token,
+                                     field_name="l1"),
+        host_tokens=parse_capacity(l2, bytes_per_token=spec.bytes_per_token, field_name="l2"),
+        storage=None if l3 == "none" else l3, **rest)
+
+
+def _trace(trace: str, limit: int | None, *, streamed: bool) -> Trace:
+    """The requests of each replay. With ``--time timestamps`` the trace is streamed: every
+    replay reads the file afresh as it proceeds (`stream_trace`), which reports a bad line
+    when it is reached; otherwise it is loaded (and checked) once, before any replay."""
+    if streamed:
+        return functools.partial(stream_trace, trace, limit=limit)
+    requests = load_trace(trace, limit=limit)
+    return lambda: requests
+
+
+def _sweep_tokens(sweep: list[str], bytes_per_token: int) -> list[int]:
+    try:
+        return [parse_capacity(x, bytes_per_token=bytes_per_token, field_name="sweep")
+                for x in sweep]
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc).removeprefix("sweep: "),
+                                 param_hint="'--sweep'") from None
+
+
+def _replay_spec(model: str, layers: int | None, kv_heads: int | None,
+                 head_dim: int | None, dtype: str) -> KVSpec:
+    explicit = (layers, kv_heads, head_dim)
+    if all(x is None for x in explicit):
+        return MODELS[model]
+    if any(x is None for x in explicit):
+        raise ConfigError("spec: --layers, --kv-heads and --head-dim go together")
+    return KVSpec.mha(num_layers=layers, num_kv_heads=kv_heads,  # type: ignore[arg-type]
+                      head_dim=head_dim, dtype=dtype)  # type: ignore[arg-type]
+
+
+def _replay_one(config: ReplayConfig, trace: Trace, loop: str, *, total: int | None,
+                progress: bool) -> ReplayResult:
+    requests = trace()
+    if isinstance(requests, Sequence):
+        total = len(requests)
+    with tqdm(total=total, unit="req", disable=not progress, leave=False,
+              desc=f"replay {config.eviction} L1={config.device_tokens:,} tokens") as bar:
+
+        def advance(n: int) -> None:
+            bar.update(n)
+
+        return run(functools.partial(run_replay, config, requests, progress=advance), loop=loop)
+
+
+def _print_replay(results: list[ReplayResult], trace: str, *, as_json: bool,
+                  swept: bool) -> None:
+    if as_json:
+        click.echo(to_json(results))
+        return
+    for r in results if not swept else results[:0]:
+        click.echo(format_result(r, title=f"aiohicache replay: {trace}"))
+    if swept:
+        click.echo(f"aiohicache replay: {trace}, hit ratio vs L1 capacity and eviction\n"
+                   if len({r.eviction for r in results}) > 1 else
+                   f"aiohicache replay: {trace}, hit ratio vs L1 capacity\n")
+        click.echo(format_sweep(results))
