@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
+import anyio
+
 from .._concurrency import finish_then_cancel
+from .._validate import check_int
 from ..errors import ConfigError
 from .base import HEADER_SIZE, PageFormat
 
@@ -57,11 +59,8 @@ class LruBudget:
     """
 
     def __init__(self, capacity_bytes: int | None) -> None:
-        if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(
-                capacity_bytes, int) or capacity_bytes <= 0):
-            raise ConfigError(f"capacity_bytes: must be an int > 0 or None, "
-                              f"got {capacity_bytes!r}")
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes = None if capacity_bytes is None else check_int(
+            "capacity_bytes", capacity_bytes, low=1)
         self.sizes: OrderedDict[str, int] = OrderedDict()
         self.used_bytes = 0
         """Bytes of the objects in `sizes`."""
@@ -137,10 +136,8 @@ class BatchRunner:
     """
 
     def __init__(self, limit: int) -> None:
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
-            raise ConfigError(f"max_concurrency: must be an int > 0, got {limit!r}")
-        self.limit = limit
-        self._slots = asyncio.Semaphore(limit)
+        self.limit = check_int("max_concurrency", limit, low=1)
+        self._slots = anyio.CapacityLimiter(self.limit)
 
     async def run(self, items: Sequence[T], op: Callable[[T], Awaitable[None]]) -> None:
         """Run `op` on every item.
@@ -155,6 +152,6 @@ class BatchRunner:
                 async with self._slots:
                     await finish_then_cancel(op(item))
 
-        async with asyncio.TaskGroup() as tg:
+        async with anyio.create_task_group() as tg:
             for _ in range(min(len(items), self.limit)):
-                tg.create_task(worker())
+                tg.start_soon(worker)

@@ -26,6 +26,7 @@ On-disk / on-wire layout of one page object (little-endian)::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -101,21 +102,31 @@ def decode_page(fmt: PageFormat, key: str,
     view = memoryview(blob).cast("B")
     if len(view) != HEADER_SIZE + fmt.payload_bytes:
         return None
-    magic, version, hlen, ns, spec, length, checksum, key_id = _HEADER.unpack_from(view)
+    # NOTE: the fixed fields compared as one byte string, not unpacked field by field: this
+    # runs once per page read, and small pages are read at a few µs each
     expected_id = _key_id(key)
-    if (magic, version, hlen, ns, spec, length, key_id) != (
-            MAGIC, VERSION, HEADER_SIZE, fmt.namespace_id, fmt.spec_id, fmt.payload_bytes,
-            expected_id):
+    if view[:_FIXED] != _fixed_fields(fmt) or view[_KEY_ID:HEADER_SIZE] != expected_id:
         return None
     payload = view[HEADER_SIZE:]
-    if _checksum(payload, expected_id) != checksum:
+    if _checksum(payload, expected_id) != int.from_bytes(view[_FIXED:_KEY_ID], "little"):
         return None
     return payload
 
 
+_FIXED = 48
+"""Header bytes that every object of a format shares: magic to payload length."""
+_KEY_ID = 56
+
+
+@functools.lru_cache(maxsize=64)
+def _fixed_fields(fmt: PageFormat) -> bytes:
+    return _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, fmt.namespace_id, fmt.spec_id,
+                        fmt.payload_bytes, 0, b"")[:_FIXED]
+
+
 @dataclass(slots=True)
 class BackendStats:
-    """Counters every backend keeps (pages, not bytes, unless named)."""
+    """Counters every backend keeps (pages, not bytes, unless named), and its budget."""
 
     exists_calls: int = 0
     pages_read: int = 0
@@ -132,6 +143,15 @@ class BackendStats:
     """Operations that raised (I/O or connection errors)."""
     evicted_pages: int = 0
     extra: dict[str, int] = field(default_factory=dict)
+    capacity_bytes: int | None = field(default=None, compare=False)
+    """The store's byte budget (header + payload of live objects; Redis: ``maxmemory``), or
+    None: unbounded, or not known."""
+    used_bytes: int | None = field(default=None, compare=False)
+    """Bytes the store holds now (Redis: ``used_memory``), or None: not known.
+
+    NOTE: these two are levels, not counters: they are left out of ``==``, so stats compare
+    by what the backend did.
+    """
 
 
 @runtime_checkable

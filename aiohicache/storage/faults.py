@@ -8,19 +8,18 @@ keeps failing, for a cool-down, then try it again with a single probe.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import partial
-from typing import Literal, Self, TypeVar
+from typing import Literal, Self, TypeVar, cast
 
 import anyio
 
+from .._validate import check_int, check_number
 from ..errors import ConfigError, HiCacheError
 from ._common import check_buffers, check_keys
 from .base import HEADER_SIZE, BackendStats, StorageBackend, decode_page, encode_header
@@ -76,13 +75,9 @@ class FaultyBackend:
                  timeout_s: float = 1.0) -> None:
         for name, rate in (("error_rate", error_rate), ("timeout_rate", timeout_rate),
                            ("corrupt_rate", corrupt_rate), ("partial_rate", partial_rate)):
-            _check_rate(name, rate)
-        low, high = latency
-        if not (0 <= low <= high and math.isfinite(high)):
-            raise ConfigError(f"latency: must be (low, high) seconds with 0 <= low <= high, "
-                              f"got {latency!r}")
-        if not (timeout_s >= 0 and math.isfinite(timeout_s)):
-            raise ConfigError(f"timeout_s: must be a finite number >= 0, got {timeout_s!r}")
+            check_number(name, rate, low=0.0, high=1.0)
+        _check_latency(latency)
+        check_number("timeout_s", timeout_s, low=0.0)
         self.inner = inner
         self.fmt = inner.fmt
         self.error_rate = error_rate
@@ -227,9 +222,9 @@ class FaultyBackend:
             except HiCacheError as exc:  # raised once, below: no ExceptionGroup
                 failed.append(exc)
 
-        async with asyncio.TaskGroup() as tg:
+        async with anyio.create_task_group() as tg:
             for i in range(len(results)):
-                tg.create_task(one(i))
+                tg.start_soon(one, i)
         if failed:
             raise failed[0]
         return results
@@ -244,9 +239,13 @@ class FaultyBackend:
         return decode_page(self.fmt, key, memoryview(blob)) is not None
 
 
-def _check_rate(name: str, rate: float) -> None:
-    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
-        raise ConfigError(f"{name}: must be a probability in [0, 1], got {rate!r}")
+def _check_latency(latency: object) -> None:
+    try:
+        low, high = cast(tuple[float, float], latency)
+        check_number("latency", high, low=check_number("latency", low, low=0.0))
+    except (TypeError, ValueError):  # ConfigError is a ValueError
+        raise ConfigError(f"latency: must be (low, high) seconds with 0 <= low <= high, "
+                          f"got {latency!r}") from None
 
 
 # ---------------------------------------------------------------------------- circuit breaker
@@ -282,13 +281,8 @@ class Breaker:
 
     def __init__(self, *, failures_to_open: int = 5, cooldown_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if isinstance(failures_to_open, bool) or not isinstance(
-                failures_to_open, int) or failures_to_open < 1:
-            raise ConfigError(f"failures_to_open: must be an int >= 1, got {failures_to_open!r}")
-        if not (cooldown_s >= 0 and math.isfinite(cooldown_s)):
-            raise ConfigError(f"cooldown_s: must be a finite number >= 0, got {cooldown_s!r}")
-        self.failures_to_open = failures_to_open
-        self.cooldown_s = cooldown_s
+        self.failures_to_open = check_int("failures_to_open", failures_to_open, low=1)
+        self.cooldown_s = check_number("cooldown_s", cooldown_s, low=0.0)
         self._clock = clock
         self._state = BreakerState.CLOSED
         self._failures = 0

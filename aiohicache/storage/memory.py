@@ -103,11 +103,14 @@ class MemoryBackend:
         return found
 
     def stats(self) -> BackendStats:
-        """A copy of the counters (`extra`: ``objects``, ``used_bytes``, ``max_bytes``: the
-        budget, 0 if unbounded)."""
-        extra = {"objects": len(self._objects), "used_bytes": self._budget.used_bytes,
-                 "max_bytes": self._budget.capacity_bytes or 0}
-        return replace(self._stats, extra=extra)
+        """A copy of the counters, with `capacity_bytes` (the budget; None: unbounded) and
+        `used_bytes` (the objects held). `extra`: ``objects``, ``used_bytes``, ``max_bytes``
+        (the budget, 0 if unbounded)."""
+        budget = self._budget
+        extra = {"objects": len(self._objects), "used_bytes": budget.used_bytes,
+                 "max_bytes": budget.capacity_bytes or 0}
+        return replace(self._stats, extra=extra, capacity_bytes=budget.capacity_bytes,
+                       used_bytes=budget.used_bytes)
 
     async def aclose(self) -> None:
         """Drop every object (idempotent)."""

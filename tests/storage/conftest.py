@@ -52,7 +52,7 @@ from aiohicache.storage import (
     chain_keys,
     namespace_root,
 )
-from aiohicache.storage._segments import Entry, segment_path
+from aiohicache.storage._journal import Entry, segment_path
 from aiohicache.storage.redis import RedisBackend
 
 from . import segment_hooks as hooks
@@ -128,24 +128,24 @@ async def file_store(ctx: StoreContext) -> AsyncIterator[Store]:
         # rename and copy are entries written behind the backend's back (as another process
         # would); the backend then reads the journals, as it does on any unknown key.
         def stamp() -> int:
-            return max(time.time_ns(), backend._last_stamp + 1)
+            return max(time.time_ns(), backend._index.last_stamp + 1)
 
         async def changed(fn: Callable[..., None], *args: Any) -> None:
             await anyio.to_thread.run_sync(fn, *args)
             await backend._refresh(force=True)
 
         async def corrupt(key: str) -> None:
-            await anyio.to_thread.run_sync(hooks.corrupt_record, root, backend._index[key])
+            await anyio.to_thread.run_sync(hooks.corrupt_record, root, backend._index.entries[key])
 
         async def put_raw(key: str, blob: bytes) -> None:
             await changed(hooks.append_record, root, key, blob, stamp())
 
         async def copy_raw(src: str, dst: str) -> None:
-            blob = await anyio.to_thread.run_sync(_record_bytes, root, backend._index[src])
+            blob = await anyio.to_thread.run_sync(_record_bytes, root, backend._index.entries[src])
             await changed(hooks.append_record, root, dst, blob, stamp())
 
         async def rename_raw(src: str, dst: str) -> None:
-            entries = hooks.rename_entries(backend._index[src], dst, stamp())
+            entries = hooks.rename_entries(backend._index.entries[src], dst, stamp())
             await changed(hooks.append_entries, root, entries)
 
         yield Store(backend, corrupt=corrupt, put_raw=put_raw, copy_raw=copy_raw,

@@ -13,8 +13,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from aiohicache.storage import _segments as seg
-from aiohicache.storage._segments import DELETE, PUT, Entry
+from aiohicache.storage import _appender, _journal
+from aiohicache.storage._journal import DELETE, PUT, Entry
 
 __all__ = ("append_entries", "append_record", "corrupt_record", "corrupt_last_record",
            "latest_entries", "swap_keys")
@@ -22,7 +22,7 @@ __all__ = ("append_entries", "append_record", "corrupt_record", "corrupt_last_re
 
 def append_entries(root: str | Path, entries: Iterable[Entry]) -> None:
     """Journal `entries` as another writer would (a segment and journal of its own)."""
-    appender = seg.Appender(os.fspath(root), segment_bytes=1 << 30, fsync=False)
+    appender = _appender.Appender(os.fspath(root), segment_bytes=1 << 30, fsync=False)
     try:
         appender.log(list(entries))
     finally:
@@ -31,7 +31,7 @@ def append_entries(root: str | Path, entries: Iterable[Entry]) -> None:
 
 def append_record(root: str | Path, key: str, blob: bytes, stamp: int) -> None:
     """Store `blob` as the record of `key`, bypassing encoding (a forged or foreign object)."""
-    appender = seg.Appender(os.fspath(root), segment_bytes=1 << 30, fsync=False)
+    appender = _appender.Appender(os.fspath(root), segment_bytes=1 << 30, fsync=False)
     try:
         segment, offset = appender.reserve(len(blob))
         entry = Entry(key, PUT, segment.seg_id, offset, len(blob), stamp)
@@ -45,7 +45,7 @@ def append_record(root: str | Path, key: str, blob: bytes, stamp: int) -> None:
 
 def latest_entries(root: str | Path) -> dict[str, Entry]:
     """The winning entry of every key, as a new instance would load them."""
-    scan = seg.read_journals(os.fspath(root), {})
+    scan = _journal.read_journals(os.fspath(root), {})
     out: dict[str, Entry] = {}
     for entry in sorted((e for _, batch in scan.entries for e in batch),
                         key=lambda e: e.stamp):
@@ -55,7 +55,7 @@ def latest_entries(root: str | Path) -> dict[str, Entry]:
 
 def corrupt_record(root: str | Path, entry: Entry) -> None:
     """Flip every bit of the last byte of `entry`'s record, in place."""
-    path = seg.segment_path(os.fspath(root), entry.seg_id)
+    path = _journal.segment_path(os.fspath(root), entry.seg_id)
     with open(path, "r+b") as f:
         f.seek(entry.offset + entry.length - 1)
         byte = f.read(1)

@@ -28,9 +28,16 @@ import anyio
 import pytest
 
 from aiohicache import ConfigError
-from aiohicache.storage import FileBackend, StorageError, decode_page, encode_header
-from aiohicache.storage import _segments as seg
-from aiohicache.storage import file as file_module
+from aiohicache.storage import (
+    FileBackend,
+    StorageError,
+    _appender,
+    _reader,
+    decode_page,
+    encode_header,
+)
+from aiohicache.storage import _file_upkeep as file_module
+from aiohicache.storage import _journal as seg
 from aiohicache.storage.base import HEADER_SIZE
 from aiohicache.storage.errors import StorageReadError, StorageWriteError
 from tests.conftest import until
@@ -405,7 +412,7 @@ async def test_a_failed_write_raises_and_stores_nothing_of_its_run(
         def full(*args: Any) -> int:
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(seg.os, "pwritev", full)
+        monkeypatch.setattr(_appender.os, "pwritev", full)
         with pytest.raises(StorageWriteError, match="4 page.*No space"):
             await backend.set_from(keys, pages(keys))
         monkeypatch.undo()
@@ -424,8 +431,8 @@ async def test_a_failed_read_raises_and_leaves_its_buffer_alone(
             raise OSError(5, "Input/output error")
 
         # records out of the page cache are read with preadv: a disk error there
-        monkeypatch.setattr(seg._Map, "resident", lambda *args: False)
-        monkeypatch.setattr(seg.os, "preadv", broken)
+        monkeypatch.setattr(_reader._Map, "resident", lambda *args: False)
+        monkeypatch.setattr(_reader.os, "preadv", broken)
         buffers = [bytearray(PAYLOAD) for _ in keys]
         with pytest.raises(StorageReadError, match="Input/output"):
             await backend.get_into(keys, [memoryview(b) for b in buffers])
@@ -487,5 +494,5 @@ async def test_records_out_of_the_page_cache_are_read_through_staging(
     keys = make_keys(3)
     async with FileBackend(tmp_path, FMT) as backend:
         await backend.set_from(keys, pages(keys))
-        monkeypatch.setattr(seg._Map, "resident", lambda *args: False)
+        monkeypatch.setattr(_reader._Map, "resident", lambda *args: False)
         assert await read(backend, keys) == [make_page(k) for k in keys]

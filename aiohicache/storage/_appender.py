@@ -1,0 +1,254 @@
+"""Appending to the file store: this instance's active segments, runs of pages, compaction.
+
+Blocking I/O only (called on I/O threads). The layout and why it is crash-safe: `_journal`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import secrets
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._journal import PUT, Entry, segment_path
+from .base import HEADER_SIZE, PageFormat, encode_header
+
+__all__ = ("Appender", "compact", "write_run")
+
+
+@dataclass(slots=True, eq=False)
+class _Lane:
+    """A segment this instance appends to: its locked fd, its journal, its end."""
+
+    seg_id: int
+    seg_fd: int
+    log_fd: int
+    end: int = 0
+    busy: bool = False
+    """A thread is appending to it (between `Appender.reserve` and `Appender.release`)."""
+    sealed: bool = False
+    """No more appends: closed once it is not busy."""
+    logged: bool = False
+
+
+class Appender:
+    """This instance's active segments ("lanes"); each I/O thread appends to one of its own.
+
+    NOTE: buffered writes to one file are serialised by the kernel (the inode lock), so I/O
+    threads sharing one active segment took turns; a thread that writes takes an idle lane (a
+    segment no other thread appends to meanwhile, made if none is idle), so writes run in
+    parallel. There are at most as many lanes as threads that ever wrote at once.
+
+    Thread-safe: `reserve` and `release` take a lock only to pick a lane and roll segments (a
+    few system calls when a segment fills); the data is written outside it.
+    """
+
+    def __init__(self, root: str, *, segment_bytes: int, fsync: bool) -> None:
+        self.root = root
+        self.segment_bytes = segment_bytes
+        self.fsync = fsync
+        self._lock = threading.Lock()
+        self._lanes: list[_Lane] = []
+        self.created: set[int] = set()
+        """Every segment this appender made (its journals need not be read back)."""
+
+    def created_ids(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self.created)
+
+    def active_ids(self) -> frozenset[int]:
+        """The segments this instance may still append to (never compacted by it)."""
+        with self._lock:
+            return frozenset(lane.seg_id for lane in self._lanes)
+
+    def reserve(self, nbytes: int) -> tuple[_Lane, int]:
+        """An idle lane with room for `nbytes` (rolled first if it is full, or if its file was
+        removed) and the offset reserved in it; only the caller appends to it until
+        `release`."""
+        with self._lock:
+            lane = next((lane for lane in self._lanes if not lane.busy), None)
+            if lane is None or os.fstat(lane.seg_fd).st_nlink == 0 or (
+                    lane.end and lane.end + nbytes > self.segment_bytes):
+                lane = self._roll(lane)
+            lane.busy = True
+            offset = lane.end
+            lane.end += nbytes
+            return lane, offset
+
+    def release(self, lane: _Lane, entries: Sequence[Entry]) -> None:
+        """Journal `entries` (records written into `lane`), then give the lane back."""
+        try:
+            if entries:
+                self._append(lane, entries)
+        finally:
+            with self._lock:
+                lane.busy = False
+                if lane.sealed:
+                    _close_segment(lane)
+
+    def log(self, entries: Sequence[Entry]) -> None:
+        """Journal entries that write no record (deletes, touches, moves)."""
+        if not entries:
+            return
+        lane, _ = self.reserve(0)
+        self.release(lane, entries)
+
+    def close(self) -> None:
+        """Seal every lane (each then is lock-free: compactable); an unused one is removed."""
+        with self._lock:
+            lanes, self._lanes = self._lanes, []
+            for lane in lanes:
+                lane.sealed = True
+                if not lane.busy:
+                    _close_segment(lane, remove_if_unused=True, root=self.root)
+
+    def _roll(self, old: _Lane | None) -> _Lane:
+        new = _create_segment(self.root)
+        self.created.add(new.seg_id)
+        if old is not None:
+            old.sealed = True
+            self._lanes.remove(old)
+            _close_segment(old)  # idle: nobody appends to it
+        self._lanes.append(new)
+        return new
+
+    def _append(self, lane: _Lane, entries: Sequence[Entry]) -> None:
+        data = b"".join(entry.pack() for entry in entries)
+        written = os.write(lane.log_fd, data)  # O_APPEND: one write lands whole at the end
+        if written != len(data):
+            raise OSError(errno.EIO, f"journal write was short ({written} of {len(data)})")
+        lane.logged = True
+        if self.fsync:
+            os.fsync(lane.log_fd)
+
+
+def _create_segment(root: str) -> _Lane:
+    """A new locked segment and its journal; the directory is (re)made if missing.
+
+    NOTE: the segment is created under a temp name and locked before it is renamed, so a
+    scanner never sees an unlocked segment without a journal that is not an orphan.
+    """
+    seg_id = secrets.randbits(63)
+    tmp = segment_path(root, seg_id, "seg.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileNotFoundError:
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, segment_path(root, seg_id))
+        log_fd = os.open(segment_path(root, seg_id, "log"),
+                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return _Lane(seg_id, fd, log_fd)
+
+
+def _close_segment(lane: _Lane, *, remove_if_unused: bool = False, root: str = "") -> None:
+    if remove_if_unused and not lane.end and not lane.logged:
+        for suffix in ("log", "seg"):
+            with contextlib.suppress(OSError):
+                os.unlink(segment_path(root, lane.seg_id, suffix))
+    os.close(lane.log_fd)
+    os.close(lane.seg_fd)  # releases the lock: the segment is sealed
+
+
+def write_run(appender: Appender, fmt: PageFormat, keys: Sequence[str],
+              payloads: Sequence[memoryview], stamps: Sequence[int],
+              deletes: Sequence[Entry]) -> list[Entry]:
+    """Append one object per key as one write, then journal `deletes` and the new records.
+
+    Returns:
+        The PUT entry of each key, in order.
+
+    Raises:
+        OSError: nothing of the run was journaled (its records, if any landed, are dead).
+    """
+    size = HEADER_SIZE + fmt.payload_bytes
+    # NOTE: the headers (xxh3 of each payload: it releases the GIL) are made before a lane
+    # is taken, so no other thread waits for a lane while this one hashes
+    headers = [encode_header(fmt, key, payload) for key, payload in zip(keys, payloads,
+                                                                            strict=True)]
+    lane, offset = appender.reserve(size * len(keys))
+    entries: list[Entry] = []
+    try:
+        if keys:
+            iov = [part for pair in zip(headers, payloads, strict=True) for part in pair]
+            _pwritev_all(lane.seg_fd, iov, offset)
+            if appender.fsync:
+                os.fdatasync(lane.seg_fd)
+        entries = [Entry(key, PUT, lane.seg_id, offset + i * size, size, stamp)
+                   for i, (key, stamp) in enumerate(zip(keys, stamps, strict=True))]
+    finally:
+        appender.release(lane, [*deletes, *entries])
+    return entries
+
+
+def _pwritev_all(fd: int, iov: list[bytes | memoryview], offset: int) -> None:
+    total = sum(len(part) for part in iov)
+    done = os.pwritev(fd, iov, offset)
+    if done == total:
+        return
+    flat = memoryview(b"".join(bytes(part) for part in iov))  # a short write: rare, slow path
+    while done < total:
+        done += os.pwrite(fd, flat[done:], offset + done)
+
+
+def compact(appender: Appender, victim: int, moves: Sequence[Entry],
+            keep: Sequence[Entry]) -> list[Entry] | None:
+    """Copy the live records `moves` (all in segment `victim`) into an active segment,
+    journal them and `keep` (the victim journal's winning entries that point elsewhere), then
+    remove the victim's journal and segment.
+
+    Returns:
+        The new entries of `moves` (same keys and stamps, new places), or None if another
+        process holds the victim's lock (it is compacting it, or still writing it).
+    """
+    root = appender.root
+    try:
+        fd = os.open(segment_path(root, victim), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None
+        moved = _copy_records(appender, fd, moves)
+        appender.log(keep)
+        for suffix in ("log", "seg"):  # the journal first: a segment alone is an orphan
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(segment_path(root, victim, suffix))
+        return moved
+    finally:
+        os.close(fd)
+
+
+def _copy_records(appender: Appender, fd: int, moves: Sequence[Entry]) -> list[Entry]:
+    moved: list[Entry] = []
+    chunk = 32
+    for lo in range(0, len(moves), chunk):
+        group = moves[lo:lo + chunk]
+        blobs = [os.pread(fd, entry.length, entry.offset) for entry in group]
+        lane, offset = appender.reserve(sum(len(blob) for blob in blobs))
+        entries: list[Entry] = []
+        try:
+            _pwritev_all(lane.seg_fd, list(blobs), offset)
+            if appender.fsync:  # the copies are durable before the victim goes
+                os.fdatasync(lane.seg_fd)
+            for entry, blob in zip(group, blobs, strict=True):
+                entries.append(entry._replace(seg_id=lane.seg_id, offset=offset,
+                                              length=len(blob)))
+                offset += len(blob)
+        finally:
+            appender.release(lane, entries)
+        moved += entries
+    return moved

@@ -1,0 +1,171 @@
+"""The file store's in-memory index: the live record of every key, built from the journals.
+
+Sync and I/O-free: the `FileBackend` changes it on the event loop, then does the I/O it
+planned. The journals are the truth; this is what they say, merged (the latest stamp wins
+for each key), plus the LRU byte budget and the live bytes of every segment.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Final
+
+from ._common import LruBudget
+from ._journal import DELETE, PUT, Entry, JournalScan
+
+__all__ = ("SegmentIndex",)
+
+_DELETED_MEMORY: Final = 1 << 16
+"""Delete stamps remembered, so an older entry read later does not bring a key back."""
+
+
+class SegmentIndex:
+    """Every key's live PUT entry, in least-recently-used order within the byte budget.
+
+    `entries` maps key -> entry (O(1)); `budget` orders keys by last use; `live` and
+    `sizes` give each segment's live and total bytes, which pick compaction victims.
+    `on_drop(seg_id)` is called when a segment is found gone (its map is dropped).
+    """
+
+    def __init__(self, capacity_bytes: int | None, on_drop: Callable[[int], None]) -> None:
+        self.budget = LruBudget(capacity_bytes)
+        self.entries: dict[str, Entry] = {}
+        """The live PUT entry of every key known."""
+        self.deleted: OrderedDict[str, int] = OrderedDict()
+        self.live: dict[int, int] = {}
+        """Segment id -> bytes of its records that are live."""
+        self.sizes: dict[int, int] = {}
+        """Segment id -> bytes in it (as scanned, or as appended by this instance)."""
+        self.read_to: dict[int, int] = {}
+        """Journal id -> bytes of it read so far."""
+        self.last_stamp = 0
+        self.may_compact = False
+        """A record died since the last look for a compaction victim."""
+        self._on_drop = on_drop
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
+
+    def stamp(self) -> int:
+        """Now, in ns since the epoch, later than any stamp this index gave before."""
+        self.last_stamp = max(time.time_ns(), self.last_stamp + 1)
+        return self.last_stamp
+
+    def bind(self, entry: Entry) -> None:
+        """Make `entry` the key's live record (the most recently used)."""
+        self.unbind(entry.key)
+        self.entries[entry.key] = entry
+        self.live[entry.seg_id] = self.live.get(entry.seg_id, 0) + entry.length
+        end = entry.offset + entry.length
+        if self.sizes.get(entry.seg_id, 0) < end:
+            self.sizes[entry.seg_id] = end
+        self.budget.add(entry.key, entry.length)
+
+    def unbind(self, key: str) -> Entry | None:
+        """Forget `key`'s record (it becomes dead space); the entry it had, if any."""
+        old = self.entries.pop(key, None)
+        self.budget.pop(key)
+        if old is not None:
+            self.live[old.seg_id] -= old.length
+            self.may_compact = True
+        return old
+
+    def tombstone(self, old: Entry) -> Entry:
+        """The delete entry that kills `old`'s record, and remember it was deleted."""
+        stamp = max(self.stamp(), old.stamp + 1)
+        self.deleted[old.key] = stamp
+        self.deleted.move_to_end(old.key)
+        while len(self.deleted) > _DELETED_MEMORY:
+            self.deleted.popitem(last=False)
+        return Entry(old.key, DELETE, old.seg_id, old.offset, old.length, stamp)
+
+    def remove(self, keys: Iterable[str]) -> list[Entry]:
+        """Unbind `keys`; the delete entries to journal for those that were bound."""
+        return [self.tombstone(old) for key in keys if (old := self.unbind(key)) is not None]
+
+    def apply(self, entry: Entry) -> bool:
+        """Merge one entry read from a journal: the latest stamp wins. True if it changed
+        the index."""
+        current = self.entries.get(entry.key)
+        if current is not None and current.stamp > entry.stamp:
+            return False
+        if entry.kind == PUT:
+            if current is None and self.deleted.get(entry.key, -1) >= entry.stamp:
+                return False
+            if entry.seg_id not in self.sizes:
+                return False  # its segment is gone
+            self.bind(entry)
+            return True
+        self.deleted[entry.key] = max(entry.stamp, self.deleted.get(entry.key, -1))
+        return self.unbind(entry.key) is not None
+
+    def load(self, scan: JournalScan) -> int:
+        """Build the index from a full scan: entries in stamp order, so the last one wins
+        and the budget's LRU order is the order of last use. Returns the torn entries
+        (records past their segment's end) it dropped."""
+        self.sizes = dict(scan.segments)
+        self.read_to = dict(scan.read_to)
+        torn = 0
+        for entry in scan.in_stamp_order():
+            if entry.kind == PUT and entry.offset + entry.length > scan.segments.get(
+                    entry.seg_id, -1):
+                torn += entry.seg_id in scan.segments
+                continue  # its segment is gone, or the record never landed whole
+            self.apply(entry)
+        return torn
+
+    def merge(self, scan: JournalScan, before: set[int]) -> None:
+        """Merge what other processes journaled since the last look; segments of `before`
+        (known when the look began) that are gone were compacted or removed."""
+        for seg_id, size in scan.segments.items():
+            self.sizes[seg_id] = max(size, self.sizes.get(seg_id, 0))
+        for seg_id in before - set(scan.segments):
+            self.drop_segment(seg_id)
+        self.read_to = scan.read_to
+        for entry in scan.in_stamp_order():
+            self.apply(entry)
+
+    def drop_segment(self, seg_id: int) -> None:
+        """Forget a segment that is gone, and every key bound into it."""
+        self._on_drop(seg_id)
+        for key in [k for k, e in self.entries.items() if e.seg_id == seg_id]:
+            self.unbind(key)
+        self.sizes.pop(seg_id, None)
+        self.live.pop(seg_id, None)
+        self.read_to.pop(seg_id, None)
+
+    def pick_victim(self, skip: Callable[[int], bool], dead_fraction: float) -> int | None:
+        """The segment with the most dead bytes, if at least `dead_fraction` of it is dead
+        and not `skip(seg_id)`."""
+        best, most = None, 0
+        for seg_id, size in self.sizes.items():
+            dead = size - self.live.get(seg_id, 0)
+            if dead <= 0 or dead < dead_fraction * size or dead <= most or skip(seg_id):
+                continue
+            best, most = seg_id, dead
+        return best
+
+    def compaction_plan(self, victim: int, log: Sequence[Entry]
+                        ) -> tuple[list[Entry], list[Entry]]:
+        """What compacting `victim` moves (its live records, in file order) and keeps (the
+        entries of its journal that still win and point elsewhere)."""
+        moves = sorted((e for e in self.entries.values() if e.seg_id == victim),
+                       key=lambda e: e.offset)
+        keep = [e for e in log if e.seg_id != victim and e.seg_id in self.sizes and (
+            self.entries.get(e.key) == e if e.kind == PUT
+            else self.deleted.get(e.key) == e.stamp)]
+        return moves, keep
+
+    def repoint(self, victim: int, moves: Sequence[Entry], moved: Sequence[Entry]) -> None:
+        """Re-point the keys compaction moved (same LRU place and size), then drop
+        `victim`."""
+        for old, new in zip(moves, moved, strict=True):
+            if self.entries.get(old.key) == old:
+                self.entries[old.key] = new
+                self.live[victim] -= old.length
+                self.live[new.seg_id] = self.live.get(new.seg_id, 0) + new.length
+                self.sizes[new.seg_id] = max(self.sizes.get(new.seg_id, 0),
+                                             new.offset + new.length)
+        self.drop_segment(victim)

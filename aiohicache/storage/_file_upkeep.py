@@ -1,0 +1,219 @@
+"""The upkeep half of `FileBackend`: the index built from the journals and kept in step
+with other processes, the recency of reads journaled, compaction, and the I/O threads.
+
+`_FileUpkeep` is a base class of `FileBackend` only (the state it uses is made in
+`FileBackend.__init__`); it is apart so each half reads on its own: `_file` serves the
+protocol, this keeps the store sound underneath.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Final, TypeVar
+
+import anyio
+
+from .._concurrency import finish_then_cancel
+from ..errors import ClosedError
+from . import _appender, _journal
+from ._common import BatchRunner, LruBudget
+from ._file_index import SegmentIndex
+from ._journal import Entry
+from .base import BackendStats
+from .errors import StorageError
+
+__all__ = ()
+
+logger = logging.getLogger("aiohicache.storage.file")
+
+T = TypeVar("T")
+
+_TOUCH_FLUSH: Final = 4096
+"""Keys read since the last journaled touch that make the next call journal them."""
+_BUSY_S: Final = 10.0
+"""A segment another process holds locked is not tried for compaction again this long."""
+
+
+class _FileUpkeep:
+    root_dir: str
+    compact_dead_fraction: float
+    refresh_interval: float
+    _index: SegmentIndex
+    _budget: LruBudget
+    _runner: BatchRunner
+    _appender: _appender.Appender
+    _busy: dict[int, float]
+    _touched: dict[str, None]
+    _last_refresh: float
+    _executor: ThreadPoolExecutor | None
+    _stats: BackendStats
+    _start_lock: anyio.Lock
+    _started: bool
+    _closed: bool
+
+    # ---------------------------------------------------------------------------- journals
+
+    async def _start(self) -> None:
+        """Build the index from the journals, once, on an I/O thread.
+
+        Cancellation: a scan in flight completes (and counts), then the cancellation
+        propagates.
+        """
+        if self._closed:
+            raise ClosedError("storage: the FileBackend is closed")
+        if self._started:
+            return
+        async with self._start_lock:
+            if self._started:
+                return
+            self._executor = self._executor or ThreadPoolExecutor(
+                self._runner.limit, thread_name_prefix="aiohicache-file")
+            await finish_then_cancel(self._scan())
+            self._started = True
+
+    async def _scan(self) -> None:
+        try:
+            scan, orphans = await self._in_thread(_scan_dir, self.root_dir)
+            self._stats.extra["torn_entries"] = self._index.load(scan)
+            deletes = self._index.remove(self._budget.trim())
+            await self._in_thread(self._appender.log, deletes)
+        except OSError as exc:
+            raise StorageError(f"storage: cannot open the file store {self.root_dir}: "
+                               f"{exc}") from exc
+        self._stats.evicted_pages += len(deletes)
+        self._stats.extra["orphans_removed"] = orphans
+        logger.info("storage: %s holds %d objects (%d bytes) in %d segments; removed %d "
+                    "orphans", self.root_dir, len(self._budget), self._budget.used_bytes,
+                    len(self._index.sizes), orphans)
+
+    async def _refresh_for(self, keys: Sequence[str]) -> None:
+        """Look at the other processes' journals if a key of `keys` is not indexed."""
+        if not all(key in self._index.entries for key in keys):
+            await self._refresh()
+
+    async def _refresh(self, *, force: bool = False) -> None:
+        """Read what other processes journaled since the last look (at most every
+        `refresh_interval`, unless `force`)."""
+        now = time.monotonic()
+        if not force and now - self._last_refresh < self.refresh_interval:
+            return
+        self._last_refresh = now
+        before = set(self._index.sizes)  # a segment made during the scan is not gone
+        try:
+            scan = await finish_then_cancel(self._in_thread(
+                _journal.read_journals, self.root_dir, dict(self._index.read_to),
+                self._appender.created_ids()))
+        except OSError as exc:
+            logger.debug("storage: reading the journals under %s: %s", self.root_dir, exc)
+            return
+        self._index.merge(scan, before)
+
+    # ---------------------------------------------------------------------------- compaction
+
+    async def _maybe_compact(self) -> None:
+        """Compact the sealed segment with the most dead bytes, if it is dead enough.
+
+        Cancellation: the compaction in flight completes, then the cancellation propagates.
+        """
+        if not self._index.may_compact:
+            return
+        self._index.may_compact = False
+        active, now = self._appender.active_ids(), time.monotonic()
+        victim = self._index.pick_victim(
+            lambda seg_id: seg_id in active or now - self._busy.get(seg_id, -_BUSY_S) < _BUSY_S,
+            self.compact_dead_fraction)
+        if victim is None:
+            return
+        try:
+            moved = await self._compact(victim)
+        except OSError as exc:
+            self._stats.errors += 1
+            logger.warning("storage: compacting segment %016x under %s: %s", victim,
+                           self.root_dir, exc)
+            return
+        if moved is None:
+            self._busy[victim] = time.monotonic()
+
+    async def _compact(self, victim: int) -> list[Entry] | None:
+        log = await self._in_thread(_journal.read_log, self.root_dir, victim)
+        moves, keep = self._index.compaction_plan(victim, log)
+        moved = await self._in_thread(_appender.compact, self._appender, victim, moves, keep)
+        if moved is None:
+            return None
+        self._index.repoint(victim, moves, moved)
+        self._stats.extra["compactions"] = self._stats.extra.get("compactions", 0) + 1
+        logger.debug("storage: compacted segment %016x (%d live records moved)", victim,
+                     len(moved))
+        return moved
+
+
+    # ---------------------------------------------------------------------------- reads
+
+    async def _journal_reads(self, rejected: list[Entry]) -> None:
+        """Journal the deletes of rejected objects, and the touches once enough piled up."""
+        try:
+            if rejected:
+                await self._in_thread(self._appender.log, rejected)
+            await self._flush_touches(force=False)
+        except (OSError, ClosedError, RuntimeError) as exc:
+            logger.debug("storage: journaling reads under %s: %s", self.root_dir, exc)
+
+    async def _flush_touches(self, *, force: bool) -> None:
+        """Journal the recency of the pages read (re-bound with a new stamp), so a restart
+        keeps the LRU order; a few KiB per thousand pages read."""
+        if not self._touched or (not force and len(self._touched) < _TOUCH_FLUSH):
+            return
+        touched, self._touched = self._touched, {}
+        index = self._index
+        entries = [index.entries[key]._replace(stamp=index.stamp())
+                   for key in _oldest_first(index.budget.sizes, touched)]
+        await self._in_thread(self._appender.log, entries)
+        for entry in entries:
+            current = index.entries.get(entry.key)
+            if current is not None and current[:5] == entry[:5]:  # still that record
+                index.entries[entry.key] = entry
+
+    # ---------------------------------------------------------------------------- plumbing
+
+    async def _in_thread(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on one of the store's I/O threads.
+
+        Cancellation: `fn` runs to its end; the caller gets the cancellation at once.
+        """
+        if self._closed or self._executor is None:
+            raise ClosedError("storage: the FileBackend is closed")
+        # NOTE: the store's own threads, not anyio.to_thread: docs/storage.md measures both
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, partial(fn, *args))
+
+
+def _scan_dir(root: str) -> tuple[_journal.JournalScan, int]:
+    """Every journal and segment under `root`, after removing orphans (on an I/O thread)."""
+    scan = _journal.read_journals(root, {})
+    orphans = _journal.remove_orphans(root, scan.segments, scan.read_to)
+    if orphans:
+        scan = _journal.read_journals(root, {})
+    return scan, orphans
+
+
+def _oldest_first(order: OrderedDict[str, int], touched: Mapping[str, None]) -> list[str]:
+    """The keys of `touched` still in `order` (least recently used first), in that order:
+    their stamps then keep it.
+
+    NOTE: read pages were touched, so they sit at the end of the order; it is walked from
+    the end only until all are found (not O(store size) per flush).
+    """
+    wanted = sum(key in order for key in touched)
+    found: list[str] = []
+    for key in reversed(order):
+        if len(found) == wanted:
+            break
+        if key in touched:
+            found.append(key)
+    return found[::-1]

@@ -1,0 +1,196 @@
+"""The file store's on-disk layout and its journals: the index as written (blocking I/O only).
+
+Layout of a store directory::
+
+    <id>.seg       page objects (64-byte header + payload, see base.py) back to back, as
+                   one writer appended them; that writer holds an exclusive ``flock`` on it
+                   while it may still append (a lock-free segment is sealed, or its writer died)
+    <id>.log       the journal of that segment's writer: fixed-size entries, each binding a key
+                   to a record (segment id, offset, length) or deleting it, stamped with a time
+    <id>.seg.tmp   a segment being created (renamed to .seg once locked)
+
+The journals are the index: the entry with the latest stamp wins for each key, wherever it
+was written, so any process can bind, re-bind or delete any key by appending to a journal of
+its own. Nothing here is trusted for correctness: every record is verified by `decode_page`
+under the key it is read for, so a torn record, a torn or forged entry, or an entry pointing
+at another key's record is a miss, never wrong KV. An entry is written only after its record
+(and, with fsync, after the record is durable), so a crash mid-write leaves an unreferenced
+tail, never a served torn page.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Final, NamedTuple
+
+import xxhash
+
+__all__ = ("DELETE", "ENTRY_SIZE", "PUT", "Entry", "JournalScan", "is_locked", "read_journals",
+           "read_log", "remove_orphans", "segment_path", "unpack_entries")
+
+PUT: Final = 1
+DELETE: Final = 2
+
+_ENTRY = struct.Struct("<4sBBHQQIIQ128s")
+_CHECK = struct.Struct("<Q")
+ENTRY_SIZE: Final = _ENTRY.size + _CHECK.size
+"""Bytes of one journal entry (176): fields, then an xxh3-64 of the fields."""
+_MAGIC: Final = b"AHJ1"
+_SEGMENT = re.compile(r"([0-9a-f]{16})\.(seg|log)")
+_TEMP = re.compile(r"[0-9a-f]{16}\.seg\.tmp")
+
+
+class Entry(NamedTuple):
+    """One journal entry: `key` is bound to a record (PUT) or unbound (DELETE, whose
+    location names the record it killed)."""
+
+    key: str
+    kind: int
+    seg_id: int
+    offset: int
+    length: int
+    stamp: int
+    """Nanoseconds since the epoch; the latest stamp for a key wins."""
+
+    def pack(self) -> bytes:
+        fields = _ENTRY.pack(_MAGIC, self.kind, len(self.key), 0, self.seg_id, self.offset,
+                             self.length, 0, self.stamp, self.key.encode("ascii"))
+        return fields + _CHECK.pack(xxhash.xxh3_64_intdigest(fields))
+
+
+def unpack_entries(data: bytes | memoryview) -> list[Entry]:
+    """The valid entries of `data`, a journal's bytes (a partial last entry is ignored, so is
+    any entry whose check fails: a torn write, a flipped bit)."""
+    out: list[Entry] = []
+    view = memoryview(data)
+    for pos in range(0, len(view) - ENTRY_SIZE + 1, ENTRY_SIZE):
+        fields = view[pos:pos + _ENTRY.size]
+        (check,) = _CHECK.unpack_from(view, pos + _ENTRY.size)
+        if xxhash.xxh3_64_intdigest(fields) != check:
+            continue
+        magic, kind, key_len, _, seg_id, offset, length, _, stamp, key = _ENTRY.unpack(fields)
+        if magic == _MAGIC and kind in (PUT, DELETE) and 16 <= key_len <= 128:
+            out.append(Entry(key[:key_len].decode("ascii", "replace"), kind, seg_id, offset,
+                             length, stamp))
+    return out
+
+
+def segment_path(root: str, seg_id: int, suffix: str = "seg") -> str:
+    return os.path.join(root, f"{seg_id:016x}.{suffix}")
+
+
+@dataclass(slots=True)
+class JournalScan:
+    """What `read_journals` found: new entries per journal and the segments present."""
+
+    entries: list[tuple[int, list[Entry]]] = field(default_factory=list)
+    """(journal id, its entries past what was read before), oldest journal content first."""
+    read_to: dict[int, int] = field(default_factory=dict)
+    """Journal id -> bytes read so far (whole entries only)."""
+    segments: dict[int, int] = field(default_factory=dict)
+    """Segment id -> file size, for every segment present."""
+
+    def in_stamp_order(self) -> list[Entry]:
+        """Every entry found, oldest stamp first (so applying them in order, the last wins)."""
+        return sorted((e for _, batch in self.entries for e in batch), key=lambda e: e.stamp)
+
+
+def read_journals(root: str, read_to: dict[int, int],
+                  skip: frozenset[int] = frozenset()) -> JournalScan:
+    """Every journal's entries past `read_to` (journal id -> bytes read before; a journal
+    not in it is read whole), but those in `skip` (this instance's own), and the size of
+    every segment.
+
+    Raises:
+        OSError: the directory cannot be listed (a missing one is made).
+    """
+    os.makedirs(root, exist_ok=True)
+    scan = JournalScan()
+    logs = _list(root, scan.segments)
+    for log_id in logs:
+        if log_id in skip:
+            scan.read_to[log_id] = read_to.get(log_id, 0)
+            continue
+        start = read_to.get(log_id, 0)
+        data = _read_from(segment_path(root, log_id, "log"), start)
+        if data is None:
+            continue  # removed meanwhile
+        whole = len(data) - len(data) % ENTRY_SIZE
+        scan.read_to[log_id] = start + whole
+        if whole:
+            scan.entries.append((log_id, unpack_entries(memoryview(data)[:whole])))
+    return scan
+
+
+def _list(root: str, segments: dict[int, int]) -> list[int]:
+    """The journal ids under `root`; fills `segments` with each segment's size."""
+    logs: list[int] = []
+    with os.scandir(root) as entries:
+        for entry in entries:
+            match = _SEGMENT.fullmatch(entry.name)
+            if match is None:
+                continue
+            seg_id = int(match.group(1), 16)
+            if match.group(2) == "log":
+                logs.append(seg_id)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    segments[seg_id] = entry.stat().st_size
+    return logs
+
+
+def read_log(root: str, log_id: int) -> list[Entry]:
+    """The valid entries of one journal (none if it is gone)."""
+    data = _read_from(segment_path(root, log_id, "log"), 0)
+    if data is None:
+        return []
+    return unpack_entries(memoryview(data)[:len(data) - len(data) % ENTRY_SIZE])
+
+
+def _read_from(path: str, start: int) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def is_locked(path: str) -> bool:
+    """Whether some open file holds a lock on `path` (its writer is alive); False if absent."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def remove_orphans(root: str, segments: Iterable[int], journals: Iterable[int]) -> int:
+    """Remove lock-free segments without a journal and lock-free temp segments (a writer
+    that died creating one, or a compaction that died removing one); return how many."""
+    removed = 0
+    for seg_id in set(segments) - set(journals):
+        path = segment_path(root, seg_id)
+        if not is_locked(path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed += 1
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if _TEMP.fullmatch(entry.name) and not is_locked(entry.path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                    removed += 1
+    return removed

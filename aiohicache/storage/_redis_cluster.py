@@ -1,0 +1,199 @@
+"""`RedisClusterBackend`: a Redis (or Valkey) Cluster as the L3 page store, a pipeline per
+node, run concurrently."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+import anyio
+from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.connection import parse_url
+from redis.exceptions import ClusterDownError, RedisError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ..errors import ConfigError
+from ._redis import Add, RedisBackend
+from ._redis_parts import CLUSTER_SCHEMES, Blob
+from .errors import StorageWriteError
+
+__all__ = ("RedisClusterBackend",)
+
+log = logging.getLogger("aiohicache.storage.redis")
+
+_NODE_ERRORS = (ConnectionError, TimeoutError, OSError, RedisConnectionError, RedisTimeoutError,
+                ClusterDownError, TryAgainError)
+"""Errors that mean a node (not a command) failed."""
+
+
+class RedisClusterBackend(RedisBackend):
+    """A `StorageBackend` on a Redis (or Valkey) Cluster:
+    ``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster://`` for
+    TLS; ``valkey+cluster://`` is the same). The hosts are seeds: the client learns the
+    whole cluster from any of them.
+
+        async with RedisClusterBackend("redis+cluster://10.0.0.5:7000,10.0.0.6:7000", fmt) as l3:
+            await l3.set_from(keys, pages)
+
+    Each page is one key, so it lives in its key's hash slot. A batch is split by the node
+    that owns each slot and the per-node pipelines run concurrently; ``MOVED`` and ``ASK``
+    redirections (slots migrating) are followed by redis-py. A node that fails (killed,
+    partitioned, not yet replaced by its replica) costs only its share of the batch: those
+    pages are misses (reads, `exists`) or not stored (writes), each lost node counted in
+    `stats().errors` and ``extra["node_failures"]``, while the other nodes' pages are
+    served; only a batch every node of which failed raises `StorageError` (so the cache's
+    breaker opens when the whole cluster is gone). The client re-reads the topology after
+    such errors, so once a replica has taken over, its slots are served again.
+
+    Same options as `RedisBackend`; `max_connections` is per node.
+    """
+
+    def _connect(self, url: str, **settings: float) -> Redis | RedisCluster:
+        return cluster_client(url, self.url, **settings)  # type: ignore[arg-type]
+
+    _stale_at: float | None = None
+    """When a node last failed (the slot map may be stale: re-read it before the next call)."""
+
+    async def _pipelined(self, names: list[str], add: Add, *,
+                         raise_on_error: bool = True) -> list[object]:
+        client = cast(RedisCluster, self._client)
+        groups: dict[str, list[int]] = {}
+        await client.initialize()  # learns the slot map once
+        await self._refresh_slot_map(client)
+        for i, name in enumerate(names):
+            node = client.get_node_from_key(name)
+            groups.setdefault(node.name if node else "", []).append(i)
+        replies: list[object] = [None] * len(names)
+        results = await self._per_node(names, list(groups.values()), add)
+        failures: list[BaseException] = []
+        for idx, result in zip(groups.values(), results, strict=True):
+            if not isinstance(result, BaseException):
+                lost = [r for r in result if isinstance(r, _NODE_ERRORS)]
+                if lost and len(lost) == len(result):  # every command: the node is gone
+                    result = lost[0]
+            if isinstance(result, BaseException):
+                if not isinstance(result, RedisError | OSError):
+                    raise result
+                failures.append(result)
+                result = [result] * len(idx)
+            for i, reply in zip(idx, result, strict=True):
+                if raise_on_error and isinstance(reply, Exception) and reply not in failures:
+                    raise reply
+                replies[i] = reply
+        self._count_node_failures(failures, len(groups))
+        return replies
+
+    async def _per_node(self, names: list[str], groups: list[list[int]],
+                        add: Add) -> list[list[object] | BaseException]:
+        """Each node's pipeline, all at once: its replies, or the exception it raised (for
+        the caller to judge: a lost node costs only its own pages)."""
+        results: list[list[object] | BaseException] = [[] for _ in groups]
+
+        async def one(k: int, idx: list[int]) -> None:
+            try:
+                results[k] = await self._node_pipeline(names, idx, add)
+            except Exception as exc:  # judged by _pipelined (a lost node costs its pages)
+                results[k] = exc
+
+        async with anyio.create_task_group() as tg:
+            for k, idx in enumerate(groups):
+                tg.start_soon(one, k, idx)
+        return results
+
+    async def _node_pipeline(self, names: list[str], idx: list[int], add: Add) -> list[object]:
+        pipe = cast(RedisCluster, self._client).pipeline()
+        for i in idx:
+            add(pipe, names[i], i)
+        return await self._execute(pipe, raise_on_error=False)
+
+    async def _refresh_slot_map(self, client: RedisCluster) -> None:
+        """After a node failed, re-read the slot map (at most every 0.25 s): a replica may
+        have taken over its slots.
+
+        NOTE: redis-py would refresh it by closing every connection of the client and
+        retrying the whole pipeline; with one pipeline per node in flight at once, that
+        would fail the healthy nodes' pipelines too, so the client retries nothing
+        (``retries`` applies to single commands) and the map is refreshed here instead.
+        """
+        if self._stale_at is None or time.monotonic() - self._stale_at < 0.25:
+            return
+        self._stale_at = None
+        try:
+            await client.nodes_manager.initialize()
+        except (RedisError, OSError) as exc:
+            self._stale_at = time.monotonic()
+            log.debug("redis cluster %s: re-reading the slot map failed: %r", self.url, exc)
+
+    def _count_node_failures(self, failures: list[BaseException], num_groups: int) -> None:
+        if not failures:
+            return
+        self._stale_at = time.monotonic()
+        log.debug("redis cluster %s: %d of %d nodes failed: %r", self.url, len(failures),
+                  num_groups, failures[0])
+        if len(failures) == num_groups:
+            raise failures[0]  # nothing got through: the caller's error (and breaker)
+        self._stats.errors += len(failures)
+        extra = self._stats.extra
+        extra["node_failures"] = extra.get("node_failures", 0) + len(failures)
+
+    async def _mget(self, names: list[str]) -> list[Blob]:
+        # a key per slot: MGET cannot span nodes, so GETs pipelined per node
+        replies = await self._pipelined(names, lambda pipe, name, _: pipe.get(name),
+                                        raise_on_error=False)
+        return [reply if isinstance(reply, bytes) else None for reply in replies]
+
+    async def delete(self, keys: Sequence[str]) -> int:
+        """Remove `keys` (a DEL each, pipelined per node); return how many existed.
+
+        Raises:
+            ConfigError: a key is not 16-128 lowercase hex characters.
+            StorageWriteError: no node could be reached.
+
+        Cancellation: keys of the pipelines in flight may or may not be removed.
+        """
+        names = self._names(keys)
+        with self._translate(StorageWriteError, "delete"):
+            replies = await self._pipelined(names, lambda pipe, name, _: pipe.delete(name),
+                                            raise_on_error=False)
+        removed = sum(reply for reply in replies if isinstance(reply, int))
+        self._stats.pages_deleted += removed
+        return removed
+
+    async def _memory_info(self) -> list[dict[str, object]]:
+        client = cast(RedisCluster, self._client)
+        replies = await client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        return list(cast(dict[str, dict[str, object]], replies).values())
+
+
+
+def cluster_client(url: str, safe_url: str, *, socket_timeout: float,
+                    connect_timeout: float, max_connections: int,
+                    retries: int) -> RedisCluster:
+    parts = urlsplit(url)
+    if parts.scheme not in CLUSTER_SCHEMES:
+        raise ConfigError(f"url {safe_url!r}: the scheme must be one of {CLUSTER_SCHEMES}")
+    auth, _, hosts = parts.netloc.rpartition("@")
+    tls = parts.scheme in ("rediss+cluster", "valkeys+cluster")
+    try:
+        seeds = [urlsplit(f"redis://{seed.strip()}") for seed in hosts.split(",")]
+        nodes = [ClusterNode(seed.hostname or "", seed.port or 6379) for seed in seeds]
+        # the query and credentials as redis-py reads them for one server
+        first = f"redis://{auth + '@' if auth else ''}{hosts.split(',')[0]}"
+        query = f"?{parts.query}" if parts.query else ""
+        options: dict[str, Any] = parse_url(first + query)  # type: ignore[no-untyped-call]
+    except ValueError as exc:
+        raise ConfigError(f"url {safe_url!r}: {exc}") from None
+    for name in ("host", "port", "db", "connection_class"):
+        options.pop(name, None)
+    # NOTE: no retries in the client (see RedisClusterBackend._refresh_slot_map)
+    return RedisCluster(startup_nodes=nodes, ssl=tls, require_full_coverage=False,
+                        socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
+                        max_connections=max_connections, retry=Retry(NoBackoff(), 0),
+                        **options)

@@ -1,0 +1,121 @@
+"""What the Redis backends share beside the class: page work (verify, copy, encode, on any
+thread) and connecting (URLs, pools, redaction)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+from urllib.parse import urlsplit
+
+import numpy as np
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from .._validate import check_int, check_number
+from ..errors import ConfigError
+from .base import HEADER_SIZE, PageFormat, decode_page, encode_header
+
+__all__ = ("CLUSTER_SCHEMES", "Blob", "check_settings", "check_writable", "client",
+           "copy_payloads", "encode_objects", "leading_true", "redact", "verify")
+
+SCHEMES: Final = ("redis", "rediss", "unix")
+CLUSTER_SCHEMES: Final = ("redis+cluster", "rediss+cluster", "valkey+cluster",
+                          "valkeys+cluster")
+Blob = bytes | None
+
+
+# ---------------------------------------------------------------------- page work (any thread)
+
+
+def verify(fmt: PageFormat, keys: Sequence[str],
+            blobs: list[Blob]) -> list[memoryview | None]:
+    """The checked payload of each key's blob, or None (absent or rejected)."""
+    return [decode_page(fmt, key, blob) for key, blob in zip(keys, blobs, strict=True)]
+
+
+def copy_payloads(payloads: list[memoryview | None], views: list[memoryview]) -> list[bool]:
+    """Copy each payload into its view; True where there was one."""
+    for payload, view in zip(payloads, views, strict=True):
+        if payload is not None:
+            np.copyto(np.frombuffer(view, np.uint8), np.frombuffer(payload, np.uint8))
+    return [payload is not None for payload in payloads]
+
+
+def encode_objects(fmt: PageFormat, keys: Sequence[str],
+                    views: list[memoryview]) -> list[memoryview]:
+    """Header + payload of each key's page, as one contiguous object each."""
+    objects = []
+    for key, view in zip(keys, views, strict=True):
+        obj = np.empty(HEADER_SIZE + fmt.payload_bytes, np.uint8)
+        obj[:HEADER_SIZE] = np.frombuffer(encode_header(fmt, key, view), np.uint8)
+        np.copyto(obj[HEADER_SIZE:], np.frombuffer(view, np.uint8))
+        objects.append(obj.data)
+    return objects
+
+
+def check_writable(views: list[memoryview]) -> None:
+    for i, view in enumerate(views):
+        if view.readonly:
+            raise ConfigError(f"buffers[{i}]: is read-only; get_into needs writable buffers")
+
+
+def leading_true(replies: list[object]) -> int:
+    for i, reply in enumerate(replies):
+        if not isinstance(reply, int) or not reply:  # an error (a lost node) is absent
+            return i
+    return len(replies)
+
+
+# ---------------------------------------------------------------------- connection set-up
+
+
+def client(url: str, safe_url: str, *, socket_timeout: float, connect_timeout: float,
+            max_connections: int, retries: int) -> Redis:
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise ConfigError(f"url {safe_url!r}: the scheme must be one of {SCHEMES}")
+    db = parts.path.strip("/")
+    if parts.scheme != "unix" and db and not db.isdigit():  # redis-py would ignore it
+        raise ConfigError(f"url {safe_url!r}: the path must be a database number")
+    try:
+        pool = BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=None,
+            socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
+            retry=Retry(NoBackoff(), retries))
+    except ValueError as exc:
+        raise ConfigError(f"url {safe_url!r}: {exc}") from None
+    return Redis.from_pool(pool)
+
+
+def redact(url: str) -> str:
+    """`url` without user, password and query (``redis://***@host:port/db``)."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme in CLUSTER_SCHEMES:
+        netloc = rest.split("/", 1)[0].split("?", 1)[0]
+        auth = "***@" if "@" in netloc else ""
+        return f"{scheme}://{auth}{netloc.rpartition('@')[2]}"
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port is not None else ""
+    except ValueError:
+        return "<unparsable url>"
+    auth = "***@" if "@" in parts.netloc else ""
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{auth}{host}{port}{parts.path}"
+
+
+def check_settings(*, max_batch: object, max_pipeline_bytes: object, max_connections: object,
+                   retries: object, inline_bytes: object, ttl: object, socket_timeout: object,
+                   connect_timeout: object) -> None:
+    """Raise `ConfigError` naming the first bad setting of a Redis backend."""
+    for name, value in (("max_batch", max_batch), ("max_pipeline_bytes", max_pipeline_bytes),
+                        ("max_connections", max_connections)):
+        check_int(name, value, low=1)
+    check_int("retries", retries, low=0)
+    check_int("inline_bytes", inline_bytes, low=0)
+    for name, seconds in (("ttl", ttl), ("socket_timeout", socket_timeout),
+                          ("connect_timeout", connect_timeout)):
+        if seconds is not None or name != "ttl":
+            check_number(name, seconds, low=0.0, low_open=True)
