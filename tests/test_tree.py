@@ -241,3 +241,15 @@ def test_eviction_is_page_granular_and_takes_the_tail_first() -> None:
     assert ev.freed_pages == 3 and tree.device_alloc.num_used == 1
     assert tree.match((1, 1, 2, 2, 3, 3, 4, 4), touch=False).num_device_pages == 1
     tree.check()
+
+
+def test_bench_tree_runs_the_named_eviction_policy() -> None:
+    from aiohicache.bench.tree import bench_tree, format_tree
+    from aiohicache.replay import load_trace
+
+    requests = load_trace("mooncake", limit=1000)
+    lru, arc = (bench_tree(requests, capacity_tokens=1_000_000, page_size=16, eviction=name)
+                for name in ("lru", "arc"))
+    assert (lru.eviction, arc.eviction) == ("lru", "arc")
+    assert lru.hit_ratio != arc.hit_ratio  # the policy reached the tree
+    assert "eviction arc" in format_tree(arc)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..memory import PageAllocator
-from ..radix import RadixTree
+from ..radix import PolicyName, RadixTree
 from ..replay.traces import Request
 
 __all__ = ("TreeResult", "bench_tree", "format_tree")
@@ -28,19 +28,21 @@ class TreeResult:
     us_per_request: float
     hit_ratio: float
     nodes: int
+    eviction: str = "lru"
 
 
-def bench_tree(requests: Sequence[Request], *, capacity_tokens: int,
-               page_size: int) -> TreeResult:
+def bench_tree(requests: Sequence[Request], *, capacity_tokens: int, page_size: int,
+               eviction: PolicyName = "lru") -> TreeResult:
     """Replay `requests` on a bare `RadixTree` (one tier) and time the bookkeeping only.
 
     Token arrays are built before the clock starts: the trace format, not the tree, decides
-    their cost.
+    their cost. `eviction` names the tier's policy (`make_policy`), so the policies' own
+    cost per request can be compared on the same trace.
     """
     tokens = [r.tokens() for r in requests]
     tree = RadixTree(page_size=page_size,
                      device_alloc=PageAllocator(capacity_tokens // page_size),
-                     host_alloc=PageAllocator(0))
+                     host_alloc=PageAllocator(0), eviction=eviction)
     hits = 0
     start = time.perf_counter()
     for seq in tokens:
@@ -48,7 +50,7 @@ def bench_tree(requests: Sequence[Request], *, capacity_tokens: int,
     elapsed = time.perf_counter() - start
     total = sum(len(t) for t in tokens)
     return TreeResult(len(tokens), capacity_tokens, page_size, elapsed / len(tokens) * 1e6,
-                      hits / total if total else 0.0, tree.num_nodes)
+                      hits / total if total else 0.0, tree.num_nodes, eviction)
 
 
 def _serve(tree: RadixTree, seq: np.ndarray, page_size: int) -> int:
@@ -71,6 +73,6 @@ def _serve(tree: RadixTree, seq: np.ndarray, page_size: int) -> int:
 def format_tree(r: TreeResult) -> str:
     verdict = "ok" if r.us_per_request <= 80 else "MISSED"
     return (f"radix-tree bookkeeping (match + allocate/evict + insert), {r.requests:,} requests,"
-            f" capacity {r.capacity_tokens:,} tokens, page {r.page_size}\n"
+            f" capacity {r.capacity_tokens:,} tokens, page {r.page_size}, eviction {r.eviction}\n"
             f"  {r.us_per_request:.1f} us/request   target <= 80 us: {verdict}\n"
             f"  hit ratio {r.hit_ratio:.4f}, {r.nodes:,} nodes at the end")
