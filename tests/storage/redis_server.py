@@ -12,12 +12,13 @@ import atexit
 import pytest
 import redis
 
-from aiohicache._redis_server import RedisServer, RedisServerError
+from aiohicache._redis_server import LocalCluster, RedisServer, RedisServerError
 
-__all__ = ("corrupt_object", "raw_client", "redis_server", "redis_url", "shared_server",
-           "started")
+__all__ = ("corrupt_object", "raw_client", "redis_server", "redis_url", "shared_cluster",
+           "shared_server", "started")
 
 _shared: RedisServer | None = None
+_shared_cluster: LocalCluster | None = None
 
 
 def started(server: RedisServer) -> RedisServer:
@@ -36,6 +37,22 @@ def shared_server() -> RedisServer:
         _shared = started(RedisServer())
         atexit.register(_shared.stop)
     return _shared
+
+
+def shared_cluster() -> LocalCluster:
+    """The process's Redis Cluster (3 primaries + 3 replicas), started on first use (about
+    2 s) and shared by the conformance suite and ``test_cluster.py``; never kill its nodes
+    (the failover test makes its own)."""
+    global _shared_cluster
+    if _shared_cluster is None:
+        cluster = LocalCluster()
+        atexit.register(cluster.stop)
+        try:
+            cluster.start()
+        except RedisServerError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        _shared_cluster = cluster
+    return _shared_cluster
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ from aiohicache.storage import backend_from_url
 from aiohicache.storage.redis import RedisClusterBackend
 
 from .conftest import FMT, PAYLOAD, make_keys, make_page
+from .redis_server import shared_cluster
 
 
 @contextmanager
@@ -34,10 +35,10 @@ def started(cluster: LocalCluster) -> Iterator[LocalCluster]:
 
 
 @pytest.fixture(scope="session")
-def cluster() -> Iterator[LocalCluster]:
-    """One cluster for the session (never killed: the failover test makes its own)."""
-    with started(LocalCluster()) as running:
-        yield running
+def cluster() -> LocalCluster:
+    """One cluster for the session, shared with the conformance suite (never killed: the
+    failover test makes its own)."""
+    return shared_cluster()
 
 
 def pages(keys: list[str]) -> list[memoryview]:

@@ -115,6 +115,20 @@ async def test_stats_count_pages_and_bytes(case: Case) -> None:
     assert (stats.exists_calls, stats.corrupt, stats.errors) == (1, 0, 0)
 
 
+async def test_stats_report_the_budget_and_the_bytes_held(open_case: OpenCase) -> None:
+    size = HEADER_SIZE + PAYLOAD
+    keys = make_keys(3)
+    for budget in (8 * size, None):
+        async with open_case(capacity_bytes=budget) as case:
+            await setup(case, keys)
+            for stats in (case.store.backend.stats(), case.backend.stats()):
+                if case.store.has_capacity:
+                    assert (stats.capacity_bytes, stats.used_bytes) == (budget, 3 * size)
+                else:  # the server's own budget: maxmemory (none on the test servers)
+                    assert stats.capacity_bytes is None
+                    assert stats.used_bytes is not None and stats.used_bytes > 0
+
+
 # ---------------------------------------------------------------------------- integrity
 
 async def test_a_corrupted_object_is_a_counted_miss_and_is_removed(case: Case) -> None:

@@ -401,6 +401,31 @@ async def test_a_store_directory_removed_while_running_is_made_again(tmp_path: P
         assert await read(again, keys) == [make_page(k, version=1) for k in keys]
 
 
+@pytest.mark.parametrize("seen_cached", [False, True])
+async def test_a_segment_truncated_by_hand_is_a_counted_miss_never_a_crash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seen_cached: bool) -> None:
+    # NOTE: a map read past its file's end is a SIGBUS, which kills the process: a segment
+    # cut short behind the store's back must be found short before the map is read.
+    # seen_cached: the truncation lands after the page-cache check (mincore) found the
+    # records cached; the size check must still keep the read off the map.
+    keys = make_keys(4)
+    async with FileBackend(tmp_path, FMT, max_concurrency=1) as backend:  # one run, in order
+        await backend.set_from(keys, pages(keys))
+        assert await read(backend, keys) == [make_page(k) for k in keys]  # mapped, cached
+        if seen_cached:
+            monkeypatch.setattr(_reader._Map, "resident", lambda *args: True)
+        [segment] = with_suffix(tmp_path, ".seg")
+        os.truncate(segment, 3 * OBJECT + OBJECT // 2)  # the last record cut in half
+        assert await read(backend, keys) == [*(make_page(k) for k in keys[:3]), None]
+        assert backend.stats().corrupt == 1
+        os.truncate(segment, 0)  # and everything
+        assert await read(backend, keys[:3]) == [None] * 3
+        assert backend.stats().corrupt == 4
+        assert await backend.exists(keys) == 0  # deleted: the next backup rewrites them
+        assert await backend.set_from(keys, pages(keys)) == [True] * 4
+        assert await read(backend, keys) == [make_page(k) for k in keys]
+
+
 # ---------------------------------------------------------------------------- errors
 
 async def test_a_failed_write_raises_and_stores_nothing_of_its_run(
