@@ -22,9 +22,11 @@ __all__ = ("TreeState",)
 
 
 class TreeState:
-    """A page-granular radix tree whose nodes record device and host residency.
+    """Nodes, their device and host residency and pins, and the tiers' eviction queues.
 
-    Eviction order: each tier has an `EvictionPolicy` (``eviction`` names one for both
+    Every change of a node's tier state goes through `_set_device` / `_set_host`, which
+    keep child counts, the policies' page counts and the KV-event hooks in step. Eviction
+    order: each tier has an `EvictionPolicy` (``eviction`` names one for both
     tiers, or a pair: device, host) that keeps its candidates in lazy min-heaps, e.g. keyed
     by ``(last_access, id)`` (LRU) or ``(hit_count, last_access, id)`` (LFU). Entries go stale
     when a node's key changes or it stops being a candidate; the policy's `pop` discards
