@@ -252,3 +252,19 @@ def test_encoding_is_msgspec_array_like(hash_format: str) -> None:
     want_parent = h(parent) if hash_format == "int" else parent
     assert decoded == [1.5, [["BlockStored", [want], want_parent, [1, 2, 3, 4], 4, None, "CPU"],
                              ["BlockRemoved", [want], "GPU"], ["AllBlocksCleared"]], 0]
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_hub_flushes_on_the_next_loop_turn_under_either_backend(backend: str) -> None:
+    import anyio.lowlevel
+
+    from aiohicache._events_hub import _soon_caller
+
+    async def main() -> list[str]:
+        order: list[str] = []
+        _soon_caller()(lambda: order.append("flushed"))
+        order.append("now")  # the callback waits for the loop's next turn
+        await anyio.lowlevel.checkpoint()
+        return order
+
+    assert anyio.run(main, backend=backend) == ["now", "flushed"]
