@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Self
 
@@ -120,10 +120,10 @@ class ZmqEventPublisher:
         self._stream = self.cache.events(max_batches=self.max_batches)
         self._tasks = anyio.create_task_group()
         await self._tasks.__aenter__()
-        self._tasks.start_soon(self._contained, self._publish(self._stream),
+        self._tasks.start_soon(self._contained, self._publish,
                                name="aiohicache-events-publish")
         if self._router is not None:
-            self._tasks.start_soon(self._contained, self._serve_replay(),
+            self._tasks.start_soon(self._contained, self._serve_replay,
                                    name="aiohicache-events-replay")
         return self
 
@@ -150,16 +150,21 @@ class ZmqEventPublisher:
             self._ctx = None
 
     @staticmethod
-    async def _contained(work: Coroutine[Any, Any, None]) -> None:
+    async def _contained(work: Callable[[], Awaitable[None]]) -> None:
         """Run a publisher task; a failure ends that task only (logged), never the caller's
-        block: the task group would otherwise cancel the code inside ``async with``."""
+        block: the task group would otherwise cancel the code inside ``async with``.
+
+        `work` is called here, not before: a coroutine made ahead of a task cancelled before
+        its first step would never be awaited.
+        """
         try:
-            await work
+            await work()
         except Exception:
             log.warning("KV event publisher task failed", exc_info=True)
 
-    async def _publish(self, stream: EventStream) -> None:
-        async for batch in stream:
+    async def _publish(self) -> None:
+        assert self._stream is not None
+        async for batch in self._stream:
             self._send(batch)
 
     def _send(self, batch: EventBatch) -> None:
