@@ -23,8 +23,22 @@ KEY_PATTERN = re.compile(r"[0-9a-f]{16,128}")
 """A valid key, whole: 16 to 128 lowercase hex characters (safe as a file name)."""
 
 
+_KEYS_PATTERN = re.compile(r"(?:[0-9a-f]{16,128}\n)*")
+
+
 def check_keys(keys: Sequence[str]) -> None:
-    """Raise `ConfigError` naming the first key that is not 16-128 lowercase hex characters."""
+    """Raise `ConfigError` naming the first key that is not 16-128 lowercase hex characters.
+
+    NOTE: a batch is checked with one match over its keys joined (a match per key cost the
+    loop about 0.3 µs a page); only a batch that fails is looked at key by key.
+    """
+    try:
+        joined = "\n".join(keys) + "\n" if keys else ""
+    except TypeError:  # a key that is not a str
+        joined = "-"
+    # as many separators as keys: no key holds one, so each key matched whole
+    if joined.count("\n") == len(keys) and _KEYS_PATTERN.fullmatch(joined) is not None:
+        return
     for key in keys:
         if not isinstance(key, str) or KEY_PATTERN.fullmatch(key) is None:
             raise ConfigError(f"storage key: must be 16-128 lowercase hex characters, "

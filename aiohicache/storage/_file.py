@@ -301,21 +301,24 @@ class FileBackend(_FileUpkeep):
         outcomes = await self._in_thread(_reader.read_run, self._maps, self.fmt,
                                          [keys[i] for i in found], entries,
                                          [views[i] for i in found])
+        hits: list[str] = []
         for i, entry, outcome in zip(found, entries, outcomes, strict=True):
-            if isinstance(outcome, OSError):
+            if outcome is Outcome.FILLED:
+                filled[i] = True
+                hits.append(entry.key)
+            elif isinstance(outcome, OSError):
                 failed.append(outcome)
             elif outcome is Outcome.MISSING and moved is not None:
                 moved.append(i)  # its segment is gone: compacted, or the store removed
             else:
-                filled[i] = self._count_read(entry, outcome, rejected)
+                self._count_miss(entry, outcome, rejected)
+        # counted per run, not per page: the loop's share of a small page's read
+        self._budget.touch_batch(hits)
+        self._touched.update(dict.fromkeys(hits))
+        self._stats.pages_read += len(hits)
+        self._stats.bytes_read += len(hits) * self.fmt.payload_bytes
 
-    def _count_read(self, entry: Entry, outcome: str, rejected: list[Entry]) -> bool:
-        if outcome is Outcome.FILLED:
-            self._budget.touch(entry.key)
-            self._touched[entry.key] = None
-            self._stats.pages_read += 1
-            self._stats.bytes_read += self.fmt.payload_bytes
-            return True
+    def _count_miss(self, entry: Entry, outcome: str, rejected: list[Entry]) -> None:
         if self._index.entries.get(entry.key) == entry:  # else rewritten or moved meanwhile
             self._index.unbind(entry.key)
             if outcome is Outcome.CORRUPT:
@@ -325,7 +328,6 @@ class FileBackend(_FileUpkeep):
         else:
             self._stats.corrupt += 1
             logger.debug("storage: rejected and deleted the object of %s", entry.key)
-        return False
 
     async def _write_run(self, run: range, keys: Sequence[str], views: list[memoryview],
                          stored: list[bool], failed: list[BaseException], *,

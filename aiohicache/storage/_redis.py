@@ -98,8 +98,8 @@ class RedisBackend:
     Raises:
         ConfigError: a bad URL or setting (nothing is connected yet).
 
-    NOTE: redis-py's client is asyncio-only, so this backend (unlike the file and memory
-    stores) runs on asyncio, not under trio; its own work off the loop uses anyio.to_thread.
+    NOTE: redis-py's client is asyncio-only, so this backend needs an asyncio loop (trio
+    would need another client); its own work off the loop uses anyio.to_thread.
     """
 
     def __init__(self, url: str, fmt: PageFormat, *, key_prefix: str | None = None,
