@@ -1,32 +1,215 @@
-"""Cancellation helpers shared by the async layers."""
+"""The concurrency vocabulary of the package, on top of anyio.
+
+Everything async in aiohicache waits on anyio primitives (events, task groups, memory object
+streams, cancel scopes), so the cache runs under asyncio and, without CUDA or Redis, under
+trio. Three things anyio does not offer are built here once, for both backends:
+
+- `LoopBridge`: the one way a thread hands a completion to the event loop;
+- `Promise`: a one-shot result that many tasks can await without cancelling it;
+- `Detached`: a task that outlives the call that started it (the cache's workers run from
+  ``__aenter__`` to ``aclose``, which users may call from different tasks).
+
+Blocking calls with no thread of their own go through ``anyio.to_thread.run_sync``; work for
+a dedicated thread (an executor whose single thread orders its calls) through
+`run_in_thread`, which comes back over the same `LoopBridge`.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import Executor, Future
+from typing import Any, Generic, TypeVar
 
 import anyio
+import anyio.lowlevel
 
-__all__ = ("Signal", "finish_then_cancel", "pulse")
+__all__ = ("Detached", "LoopBridge", "Promise", "Signal", "finish_then_cancel", "pulse",
+           "run_in_thread")
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+def _on_asyncio() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False  # trio (anyio's only other backend) runs no asyncio loop
+    return True
+
+
+class LoopBridge:
+    """Calls from worker threads (copy threads, CUDA event waiters, executors) onto the loop.
+
+    Made on the loop's thread; `call_soon` may then be called from any thread, the loop's
+    own included. Quiet once the loop is gone: an abandoned loop has nobody left to tell.
+    """
+
+    __slots__ = ("_call",)
+
+    def __init__(self) -> None:
+        self._call: Callable[..., object]
+        if _on_asyncio():
+            self._call = asyncio.get_running_loop().call_soon_threadsafe
+        else:
+            import trio  # only reached under trio, so trio is installed
+
+            self._call = trio.lowlevel.current_trio_token().run_sync_soon
+
+    def call_soon(self, fn: Callable[..., object], *args: object) -> None:
+        try:
+            self._call(fn, *args)
+        except RuntimeError:  # asyncio: loop closed; trio: RunFinishedError
+            log.debug("event loop closed before a thread's completion arrived")
+
+
+async def run_in_thread(executor: Executor, fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` on `executor`, awaited without blocking the loop.
+
+    Cancellation: only the wait ends; a call already running in the thread runs to its end.
+    """
+    promise: Promise[T] = Promise()
+    bridge = LoopBridge()
+
+    def settle(future: Future[T]) -> None:
+        exc = future.exception()
+        if exc is None:
+            promise.set_result(future.result())
+        else:
+            promise.set_exception(exc)
+
+    future = executor.submit(fn, *args)
+    future.add_done_callback(lambda f: bridge.call_soon(settle, f))
+    return await promise.wait()
+
+
+class _Dropped(Exception):
+    """The result of a promise that was cancelled: nobody is waiting for it."""
+
+
+class Promise(Generic[T]):
+    """A one-shot result. `wait` is cancellable without cancelling the promise, so any
+    number of tasks may wait on one shared result. Callbacks run at settlement, on the loop.
+    """
+
+    __slots__ = ("_callbacks", "_cancelled", "_error", "_event", "_result")
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+        self._result: T | None = None
+        self._error: BaseException | None = None
+        self._cancelled = False
+        self._callbacks: list[Callable[[Promise[T]], object]] = []
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def set_result(self, value: T) -> None:
+        self._result = value
+        self._settle()
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._error = exc
+        self._settle()
+
+    def cancel(self) -> None:
+        """Drop the promise (nobody waits for it any more); its result is never set."""
+        if not self.done():
+            self._cancelled = True
+            self.set_exception(_Dropped())
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> T:
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[return-value]
+
+    async def wait(self) -> T:
+        """The result, once set (raises its exception). Cancellation: only the wait."""
+        await self._event.wait()
+        return self.result()
+
+    async def settled(self) -> None:
+        """Wait until it is settled, whichever way. Cancellation: only the wait."""
+        await self._event.wait()
+
+    def add_done_callback(self, fn: Callable[[Promise[T]], object]) -> None:
+        """Call `fn(promise)` when it settles (now, if it has)."""
+        if self.done():
+            fn(self)
+        else:
+            self._callbacks.append(fn)
+
+    def _settle(self) -> None:
+        if self._event.is_set():
+            raise RuntimeError("promise already settled")
+        self._event.set()
+        callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+
+class Detached:
+    """Runs ``fn(*args)`` in a task of its own that outlives the caller.
+
+    `cancel` cancels it; `done` settles when it ends (with its exception, if it raised).
+    asyncio runs it as a task; trio as a system task. Its errors go to `done`, never to the
+    loop: a worker's failure is the cache's to report.
+    """
+
+    __slots__ = ("_scope", "_task", "done")
+
+    def __init__(self, fn: Callable[..., Coroutine[Any, Any, object]], *args: object,
+                 name: str) -> None:
+        self._scope = anyio.CancelScope()
+        self.done: Promise[None] = Promise()
+        self._task: object = None  # asyncio keeps only weak references to tasks: hold it
+        if _on_asyncio():
+            self._task = asyncio.get_running_loop().create_task(self._main(fn, args),
+                                                                name=name)
+        else:
+            import trio
+
+            trio.lowlevel.spawn_system_task(self._main, fn, args, name=name)
+
+    def cancel(self) -> None:
+        self._scope.cancel()
+
+    async def _main(self, fn: Callable[..., Coroutine[Any, Any, object]],
+                    args: tuple[object, ...]) -> None:
+        try:
+            with self._scope:
+                await fn(*args)
+        except BaseException as exc:  # reported through `done`; see the class docstring
+            self.done.set_exception(exc)
+            return
+        self.done.set_result(None)
 
 
 async def finish_then_cancel(aw: Awaitable[T]) -> T:
     """Await `aw` to completion even if the caller is cancelled meanwhile.
 
     Work whose half-done state would corrupt the cache (queueing a planned transfer, closing)
-    runs in its own task; a cancellation of the caller is held back until that task is done
-    and then re-raised. Unlike ``asyncio.shield`` alone, the caller does not return early, so
-    when it sees the cancellation the work has happened. Works for ``task.cancel()``,
-    ``asyncio.timeout`` and anyio cancel scopes alike.
+    runs to the end; a cancellation of the caller is held back until then and re-raised.
+    Unlike a bare shield, the caller does not return early, so when it sees the cancellation
+    the work has happened. Works for anyio cancel scopes, and on asyncio also for
+    ``task.cancel()`` and ``asyncio.timeout``, which no anyio shield stops.
     """
+    if not _on_asyncio():
+        with anyio.CancelScope(shield=True):
+            result = await aw
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return result
     task = asyncio.ensure_future(aw)
-    cancelled = False
     # The anyio shield keeps anyio scopes from re-delivering their cancellation on every
-    # loop turn (they re-raise it at the caller's next checkpoint); the loop below absorbs
-    # native task.cancel() / asyncio.timeout cancellations, which the shield does not stop.
+    # loop turn; the loop below absorbs native cancellations, which the shield does not stop.
     with anyio.CancelScope(shield=True):
         result, cancelled = await _await_through_cancels(task)
     if cancelled:

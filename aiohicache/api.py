@@ -14,7 +14,6 @@ await of the copies it planned.
 
 from __future__ import annotations
 
-import asyncio
 import warnings
 from collections.abc import Callable
 from types import TracebackType
@@ -24,7 +23,7 @@ import anyio
 import torch
 
 from . import _invariants
-from ._concurrency import finish_then_cancel
+from ._concurrency import Detached, Promise, finish_then_cancel
 from ._context import FetchContext, check_count, lease
 from ._core import Core
 from ._executor import LocalExecutor, TickExecutor
@@ -83,8 +82,8 @@ class HiCache:
             if config.storage is not None else None
         self._core = Core(config, self.device_pool, self.host_pool, self.tree, self.storage)
         self._engine = engine
-        self._runner: asyncio.Task[None] | None = None
-        self._closer: asyncio.Future[None] | None = None
+        self._runner: Detached | None = None
+        self._closer: Detached | None = None
 
     def __repr__(self) -> str:
         return (f"<HiCache {self._core.state} device={self.device_pool.allocator.num_used}/"
@@ -124,11 +123,12 @@ class HiCache:
             if self.storage is not None:
                 self.storage.kick = local.kick
             core.executor = local
-        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._runner = asyncio.create_task(self._run(started), name="aiohicache-workers")
+        started: Promise[None] = Promise()
+        # The workers outlive this call: they run until `aclose`, from whichever task.
+        self._runner = Detached(self._run, started, name="aiohicache-workers")
         core.state = "open"
         try:
-            await asyncio.shield(started)
+            await started.wait()
         except BaseException:
             await self.aclose()  # cancelled while starting: leave nothing running
             raise
@@ -151,14 +151,18 @@ class HiCache:
         return CudaTransferEngine(self.device_pool, self.host_pool, backend=backend,
                                   ctas=self.config.transfer.ctas)
 
-    async def _run(self, started: asyncio.Future[None]) -> None:
+    async def _run(self, started: Promise[None]) -> None:
         assert self._core.controller is not None
-        async with anyio.create_task_group() as tg:
-            await tg.start(self._core.controller.run)
-            if self._core.tp is not None:
-                await tg.start(self._core.tp.run)
-            if not started.done():
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(self._core.controller.run)
+                if self._core.tp is not None:
+                    await tg.start(self._core.tp.run)
                 started.set_result(None)
+        except BaseException as exc:
+            if not started.done():  # failed while starting: `__aenter__` raises it
+                started.set_exception(exc)
+            raise
 
     async def aclose(self) -> None:
         """Stop accepting work, let queued and in-flight copies settle, stop the workers.
@@ -175,8 +179,8 @@ class HiCache:
             return
         if self._closer is None:
             self._core.state = "closing"
-            self._closer = asyncio.ensure_future(self._close())
-        await finish_then_cancel(self._closer)
+            self._closer = Detached(self._close, name="aiohicache-close")
+        await finish_then_cancel(self._closer.done.wait())
 
     async def _close(self) -> None:
         ctl = self._core.open_controller()
@@ -184,13 +188,13 @@ class HiCache:
             # Closing is an op: every rank stops ticking at the same tick, once all is settled.
             self._core.tp.post(self._core.tp.close_op, lazy=False)
             with anyio.move_on_after(self.config.tp.timeout + 60):
-                await asyncio.shield(self._core.tp.finished)
+                await self._core.tp.finished.wait()
         await ctl.close_channels()
         with anyio.move_on_after(60):
             await ctl.drain()
         assert self._runner is not None
         self._runner.cancel()
-        await asyncio.gather(self._runner, return_exceptions=True)
+        await self._runner.done.settled()  # its failure, if any, is already in `health`
         await ctl.close_receivers()
         await ctl.engine.aclose()
         if self.storage is not None:

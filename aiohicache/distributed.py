@@ -20,15 +20,16 @@ consensus without processes, for testing a TP serving loop in an ordinary async 
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from ._concurrency import Promise, run_in_thread
 from .errors import ConfigError, RankTimeoutError, TPError
 
 __all__ = ("TPGroup",)
@@ -109,13 +110,12 @@ class TPGroup:
             return values.copy()
         if self._broken is not None:
             raise TPError(f"{self!r} is broken: {self._broken}") from self._broken
-        loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._thread, self._reduce, values.copy())
+            return await run_in_thread(self._thread, self._reduce, values.copy())
         except TPError as exc:
             self._broken = exc
             raise
-        except asyncio.CancelledError:
+        except anyio.get_cancelled_exc_class():
             self._broken = TPError("a consensus tick was cancelled mid-collective")
             raise
 
@@ -150,7 +150,7 @@ class _LocalHub:
     def __init__(self, size: int, timeout: float) -> None:
         self.size = size
         self.timeout = timeout
-        self.rounds: dict[int, tuple[list[Vector], asyncio.Future[Vector]]] = {}
+        self.rounds: dict[int, tuple[list[Vector], Promise[Vector]]] = {}
 
 
 class _LocalGroup(TPGroup):
@@ -168,15 +168,15 @@ class _LocalGroup(TPGroup):
         hub, key = self._hub, self._round
         self._round += 1
         if key not in hub.rounds:
-            hub.rounds[key] = ([], asyncio.get_running_loop().create_future())
+            hub.rounds[key] = ([], Promise())
         sent, done = hub.rounds[key]
         sent.append(values.copy())
         if len(sent) == hub.size:
             del hub.rounds[key]
             done.set_result(np.minimum.reduce(sent))
         try:
-            async with asyncio.timeout(self.timeout):
-                return (await asyncio.shield(done)).copy()
+            with anyio.fail_after(self.timeout):
+                return (await done.wait()).copy()
         except TimeoutError:
             self._broken = RankTimeoutError(
                 f"rank {self.rank}/{self.size}: a consensus tick did not complete within "

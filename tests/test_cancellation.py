@@ -78,9 +78,9 @@ class GatedEngine(CpuTransferEngine):
         return handle
 
     def _run(self, src: PageIds, dst: PageIds, handle: TransferHandle,
-             loop: asyncio.AbstractEventLoop, to_device: bool) -> None:
+             to_device: bool) -> None:
         (self.loads if to_device else self.writes).wait()
-        super()._run(src, dst, handle, loop, to_device)
+        super()._run(src, dst, handle, to_device)
 
 
 @asynccontextmanager

@@ -261,11 +261,11 @@ async def test_a_request_cancelled_while_waiting_for_queue_room_returns_at_once(
 
 
 class FailingWrites(GatedEngine):
-    def _run(self, src: PageIds, dst: PageIds, handle: Any, loop: Any, to_device: bool) -> None:
+    def _run(self, src: PageIds, dst: PageIds, handle: Any, to_device: bool) -> None:
         if to_device:
-            super()._run(src, dst, handle, loop, to_device)
+            super()._run(src, dst, handle, to_device)
             return
-        loop.call_soon_threadsafe(handle._finish, OSError("write failed"))
+        handle.bridge.call_soon(handle._finish, OSError("write failed"))
 
 
 async def test_allocate_waiting_for_a_failed_write_back_raises_instead_of_hanging() -> None:

@@ -38,10 +38,10 @@ class MarkedEngine(CpuTransferEngine):
         return handle
 
     def _run(self, src: PageIds, dst: PageIds, handle: TransferHandle,
-             loop: asyncio.AbstractEventLoop, to_device: bool) -> None:
+             to_device: bool) -> None:
         if to_device:
             self.gate.wait()
-        super()._run(src, dst, handle, loop, to_device)
+        super()._run(src, dst, handle, to_device)
 
 
 def marked_cache(**fields: object) -> tuple[HiCache, list[MarkedEngine]]:

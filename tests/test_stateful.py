@@ -138,11 +138,11 @@ class JitteryEngine(CpuTransferEngine):
             self.inline_bytes = inline
 
     def _run(self, src: PageIds, dst: PageIds, handle: TransferHandle,
-             loop: asyncio.AbstractEventLoop, to_device: bool) -> None:
+             to_device: bool) -> None:
         time.sleep(self._rng.random() * 0.001)
         if to_device:
             self._loads_open.wait(timeout=5)
-        super()._run(src, dst, handle, loop, to_device)
+        super()._run(src, dst, handle, to_device)
 
 
 @dataclass

@@ -23,7 +23,6 @@ See docs/tensor-parallel.md for the argument that this cannot deadlock.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -34,7 +33,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from .._concurrency import Signal
+from .._concurrency import Promise, Signal
 from .._stats import TPStats
 from ..config import HiCacheConfig
 from ..distributed import TPGroup
@@ -62,8 +61,7 @@ class Op:
         self.undo = undo
         self.lazy = lazy
         """Nobody waits for it (a release): it rides along with the next tick."""
-        self.future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.future.add_done_callback(_retrieved)  # a cancelled caller's error is not "lost"
+        self.future: Promise[Any] = Promise()
         self.deadline: float | None = None
         """Local monotonic time after which this rank votes to stop waiting (set by `fn`)."""
         self.stop = False
@@ -100,7 +98,7 @@ class Consensus:
         self.ticks = 0
         self.tick_seconds = 0.0             # time spent in the collective, for stats
         self.closing = False
-        self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.finished: Promise[None] = Promise()
         self.on_tick: list[Callable[[int], None]] = []
         """Observers called after every applied tick with its number (tests, tracing)."""
         controller.kick = self.kick
@@ -135,8 +133,8 @@ class Consensus:
         """
         op = self.submit(fn, undo)
         try:
-            return await asyncio.shield(op.future)
-        except asyncio.CancelledError:
+            return await op.future.wait()
+        except anyio.get_cancelled_exc_class():
             if not self.finished.done():
                 self.submit(lambda _: self._cancel(op))
             raise
@@ -328,11 +326,6 @@ class Consensus:
             self.tick_seconds / self.ticks * 1e6 if self.ticks else math.nan))
 
 
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
-def _log_failure(future: asyncio.Future[Any]) -> None:
+def _log_failure(future: Promise[Any]) -> None:
     if not future.cancelled() and (exc := future.exception()) is not None:
         log.error("a queued cache call failed: %r", exc)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._concurrency import Promise
 from .._histogram import TransferHistograms
 from ..memory import PageIds
 from ..radix import PendingOp
@@ -26,7 +26,7 @@ class _Job(PendingOp):
         self.src: PageIds = np.empty(0, dtype=np.int64)
         self.dst: PageIds = np.empty(0, dtype=np.int64)
         self.handle: TransferHandle | None = None
-        self.launched: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.launched: Promise[None] = Promise()
 
     @property
     def num_pages(self) -> int:
@@ -38,7 +38,7 @@ class _Job(PendingOp):
     async def launched_handle(self) -> TransferHandle:
         """The copy's handle, once a worker has launched it. Cancellation: only the wait."""
         if self.handle is None:
-            await asyncio.shield(self.launched)
+            await self.launched.wait()
         assert self.handle is not None
         return self.handle
 

@@ -1,15 +1,14 @@
-"""Awaiting CUDA events from asyncio: one waiter thread per stream.
+"""Awaiting CUDA events from the event loop: one waiter thread per stream.
 
 Events recorded on one stream complete in order, so a single thread can take them off a
 queue and block on each in turn (``event.synchronize()`` releases the GIL and, for events
 created with ``blocking=True``, sleeps instead of spinning), then hand the news to the event
-loop with ``call_soon_threadsafe``. The loop never polls and never blocks; the cost is one
-thread per stream and one thread hop per event.
+loop through the package's one thread bridge (`LoopBridge`). The loop never polls and
+never blocks; the cost is one thread per stream and one thread hop per event.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
@@ -19,7 +18,9 @@ from typing import Protocol
 
 import anyio.to_thread
 
-__all__ = ("EventWaiter", "Synchronizable", "call_soon_from_thread")
+from .._concurrency import LoopBridge
+
+__all__ = ("EventWaiter", "Synchronizable")
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class _Watch:
     events: Sequence[Synchronizable]
     on_event: Callable[[int], None]
     on_done: Callable[[BaseException | None], None]
-    loop: asyncio.AbstractEventLoop
+    bridge: LoopBridge
     keepalive: object
     """Buffers the copy reads until its last event (page-id arrays): freed after it."""
 
@@ -55,8 +56,7 @@ class EventWaiter:
         the first error), ``on_done(exc)``. Events must be in their stream's order."""
         if self._closed:
             raise RuntimeError("event waiter is closed")
-        loop = asyncio.get_running_loop()
-        self._queue.put(_Watch(events, on_event, on_done, loop, keepalive))
+        self._queue.put(_Watch(events, on_event, on_done, LoopBridge(), keepalive))
 
     async def aclose(self) -> None:
         """Wait for the watched events, then stop the thread (idempotent).
@@ -74,18 +74,8 @@ class EventWaiter:
             try:
                 for i, event in enumerate(watch.events):
                     event.synchronize()
-                    call_soon_from_thread(watch.loop, watch.on_event, i)
+                    watch.bridge.call_soon(watch.on_event, i)
             except Exception as exc:  # a CUDA fault: reported through on_done, never lost
                 log.exception("waiting for a copy failed")
                 error = exc
-            call_soon_from_thread(watch.loop, watch.on_done, error)
-
-
-def call_soon_from_thread(loop: asyncio.AbstractEventLoop, fn: Callable[..., object],
-                          *args: object) -> None:
-    """``loop.call_soon_threadsafe``, quiet if the loop is already closed."""
-    # NOTE: the loop may already be closed if its owner abandoned it; nothing is left to tell.
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:
-        log.debug("event loop closed before a copy completed")
+            watch.bridge.call_soon(watch.on_done, error)

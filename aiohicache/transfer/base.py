@@ -8,11 +8,13 @@ forward pass can start on layer 0 while later layers are still in flight.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
+import anyio
+
+from .._concurrency import LoopBridge
 from ..errors import TransferError
 from ..memory import DevicePool, HostPool, PageIds
 
@@ -23,19 +25,25 @@ class TransferHandle:
     """Completion of one submitted copy, awaitable whole or per layer.
 
     The producer side (`_layer_done`, `_finish`) must be called on the event loop; engines
-    that complete on other threads hop over with ``loop.call_soon_threadsafe``. Waiting on a
+    that complete on other threads hop over with `bridge` (a `LoopBridge`). Waiting on a
     handle never cancels it: many requests may await one shared load.
+
+    Layers complete in order, so progress is one counter; an event is made only for a layer
+    someone waits on before it is in place (most waits find their layer done, and a model
+    has up to ~100 layers: an event per layer per copy would be most of the handle's cost).
     """
 
-    __slots__ = ("_callbacks", "_done", "_events", "_layers", "_loop", "nbytes", "num_layers",
-                 "seconds", "started")
+    __slots__ = ("_callbacks", "_done", "_error", "_events", "_layers_done", "_waiters",
+                 "bridge", "nbytes", "num_layers", "seconds", "started")
 
     def __init__(self, *, num_layers: int, nbytes: int) -> None:
-        self._loop = asyncio.get_running_loop()
+        self.bridge = LoopBridge()
         self.num_layers = num_layers
         self.nbytes = nbytes
-        self._layers = [self._loop.create_future() for _ in range(num_layers)]
-        self._done = self._loop.create_future()
+        self._layers_done = 0
+        self._waiters: dict[int, anyio.Event] = {}
+        self._done = anyio.Event()
+        self._error: TransferError | None = None
         self._callbacks: list[Callable[[TransferHandle], None]] = []
         self._events: Sequence[object] | None = None  # set by engines that record CUDA events
         self.started = time.perf_counter()
@@ -54,13 +62,13 @@ class TransferHandle:
         return f"<TransferHandle {self.nbytes} bytes, {self.num_layers} layers, {state}>"
 
     def done(self) -> bool:
-        return self._done.done()
+        return self._done.is_set()
 
     def layer_done(self, layer: int) -> bool:
-        return self._layers[layer].done()
+        return layer < self._layers_done or self.done()
 
     def exception(self) -> BaseException | None:
-        return self._done.exception() if self._done.done() else None
+        return self._error
 
     def layer_event(self, layer: int) -> object | None:
         """The CUDA event recorded after `layer` of this copy, or None (CPU engine).
@@ -74,46 +82,51 @@ class TransferHandle:
         """Wait until `layer` is in place.
 
         Raises:
-            TransferError: the copy failed.
+            TransferError: the copy failed before `layer` was in place.
 
         Cancellation: cancels only this wait, never the copy.
         """
-        await asyncio.shield(self._layers[layer])
+        if layer >= self._layers_done:
+            if not self.done():
+                await self._waiters.setdefault(layer, anyio.Event()).wait()
+            if self._error is not None and layer >= self._layers_done:
+                raise self._error
 
     async def wait(self) -> None:
         """Wait until every layer is in place. Cancellation: as `wait_layer`."""
-        await asyncio.shield(self._done)
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
 
     def add_done_callback(self, fn: Callable[[TransferHandle], None]) -> None:
-        """Call `fn(handle)` on the event loop once the copy settles (at once if it has)."""
-        if self._done.done():
-            self._loop.call_soon(fn, self)
+        """Call `fn(handle)` on the event loop once the copy settles (soon, if it has)."""
+        if self.done():
+            self.bridge.call_soon(fn, self)
         else:
             self._callbacks.append(fn)
 
     # producer side -------------------------------------------------------------------------
 
     def _layer_done(self, layer: int) -> None:
-        if not self._layers[layer].done():
-            self._layers[layer].set_result(None)
+        if layer >= self._layers_done and not self.done():
+            self._layers_done = layer + 1
+            for waiting in [w for w in self._waiters if w <= layer]:
+                self._waiters.pop(waiting).set()
 
     def _finish(self, exc: BaseException | None = None) -> None:
-        if self._done.done():
+        if self.done():
             return
         self.seconds = time.perf_counter() - self.started
         if exc is not None:
             err = exc if isinstance(exc, TransferError) else TransferError(str(exc))
             err.__cause__ = exc if err is not exc else None
-            for fut in self._layers:
-                if not fut.done():
-                    fut.set_exception(err)
-                    fut.exception()  # mark retrieved: an unawaited layer is not an error
-            self._done.set_exception(err)
-            self._done.exception()
+            self._error = err
         else:
-            for layer in range(self.num_layers):
-                self._layer_done(layer)
-            self._done.set_result(None)
+            self._layers_done = self.num_layers
+        self._done.set()
+        for event in self._waiters.values():
+            event.set()
+        self._waiters.clear()
         callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn(self)

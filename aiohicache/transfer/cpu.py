@@ -6,7 +6,6 @@ complete in submission order (like a stream) and the event loop only submits and
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +16,6 @@ import torch
 from ..errors import ClosedError
 from ..memory import DevicePool, HostPool, PageIds
 from ._copy import CopyPlan, as_words, copy_pages
-from ._waiter import call_soon_from_thread as _call_soon
 from .base import TransferHandle
 from .geometry import check_copy
 
@@ -89,14 +87,13 @@ class CpuTransferEngine:
         src, dst = check_copy(self.device_pool.num_pages, self.host_pool.num_pages, src, dst,
                               to_device=to_device)
         handle = TransferHandle.for_pages(self.device_pool, len(src))
-        loop = asyncio.get_running_loop()
         if handle.nbytes <= self.inline_bytes and stream.pending == 0:
             self._copy(CopyPlan.build(src, dst), to_device)  # idle stream: order is kept
-            loop.call_soon(handle._finish, None)
+            handle.bridge.call_soon(handle._finish, None)
             return handle
         stream.pending += 1
         handle.add_done_callback(stream.retire)
-        stream.executor.submit(self._run, src.copy(), dst.copy(), handle, loop, to_device)
+        stream.executor.submit(self._run, src.copy(), dst.copy(), handle, to_device)
         return handle
 
     def _copy(self, plan: CopyPlan, to_device: bool) -> None:
@@ -104,7 +101,7 @@ class CpuTransferEngine:
             copy_layer(self._device_words, self._host_words, plan, layer, to_device=to_device)
 
     def _run(self, src: PageIds, dst: PageIds, handle: TransferHandle,
-             loop: asyncio.AbstractEventLoop, to_device: bool) -> None:
+             to_device: bool) -> None:
         """Worker thread: plan, then copy layer by layer, reporting each layer to the loop."""
         try:
             plan = CopyPlan.build(src, dst)
@@ -112,12 +109,12 @@ class CpuTransferEngine:
                 copy_layer(self._device_words, self._host_words, plan, layer,
                            to_device=to_device)
                 if to_device:
-                    _call_soon(loop, handle._layer_done, layer)
+                    handle.bridge.call_soon(handle._layer_done, layer)
         except Exception as exc:  # reported through the handle, never lost
             log.exception("page copy failed")
-            _call_soon(loop, handle._finish, exc)
+            handle.bridge.call_soon(handle._finish, exc)
             return
-        _call_soon(loop, handle._finish, None)
+        handle.bridge.call_soon(handle._finish, None)
 
     async def aclose(self) -> None:
         """Wait for submitted copies, then stop the worker threads.

@@ -23,7 +23,6 @@ CuPy is imported when an engine is built, never by ``import aiohicache``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -166,7 +165,7 @@ class CudaTransferEngine:
             events, keepalive = self._enqueue(stream, src, dst, fences, to_device)
         except Exception as exc:  # a launch error is the copy's error, reported the same way
             log.exception("could not enqueue a page copy")
-            asyncio.get_running_loop().call_soon(handle._finish, exc)
+            handle.bridge.call_soon(handle._finish, exc)
             return handle
         handle._events = events if to_device else [events[-1]] * handle.num_layers
 

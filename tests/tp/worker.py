@@ -57,11 +57,11 @@ class DelayedEngine(CpuTransferEngine):
         super().__init__(cache.device_pool, cache.host_pool, inline_bytes=0)
 
     def _run(self, src: PageIds, dst: PageIds, handle: TransferHandle,
-             loop: asyncio.AbstractEventLoop, to_device: bool) -> None:
+             to_device: bool) -> None:
         with self._lock:
             delay = self._rng.uniform(0, self.max_delay)
         time.sleep(delay)
-        super()._run(src, dst, handle, loop, to_device)
+        super()._run(src, dst, handle, to_device)
 
 
 def kv_value(tokens: torch.Tensor, positions: torch.Tensor, rank: int, mla: bool) -> torch.Tensor:
