@@ -26,7 +26,7 @@ import anyio
 import anyio.lowlevel
 
 __all__ = ("Detached", "LoopBridge", "Promise", "Signal", "finish_then_cancel", "pulse",
-           "run_in_thread")
+           "run_in_thread", "supervise")
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -191,6 +191,28 @@ class Detached:
             self.done.set_exception(exc)
             return
         self.done.set_result(None)
+
+
+async def supervise(name: str, worker: Callable[[], Awaitable[None]], *, limit: int,
+                    on_restart: Callable[[], None],
+                    on_give_up: Callable[[Exception], None]) -> None:
+    """Run `worker`; after a crash restart it, up to `limit` times, then `on_give_up(exc)`.
+
+    A worker that returns is done. Cancellation: cancels the worker; nothing is restarted.
+    """
+    restarts = 0
+    while True:
+        try:
+            await worker()
+            return
+        except Exception as exc:
+            if restarts >= limit:
+                log.exception("%s crashed; the cache stops serving", name)
+                on_give_up(exc)
+                return
+            restarts += 1
+            on_restart()
+            log.exception("%s crashed (restart %d)", name, restarts)
 
 
 async def finish_then_cancel(aw: Awaitable[T]) -> T:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,7 +13,7 @@ from ..memory import PageIds
 from ..radix import PendingOp
 from ..transfer import TransferHandle
 
-__all__ = ("LoadJob", "TransferCounters", "WriteJob", "_Job", "_concat")
+__all__ = ("LoadJob", "TransferCounters", "WriteJob", "_Job", "_concat", "leading_done")
 
 
 class _Job(PendingOp):
@@ -97,3 +97,13 @@ class TransferCounters:
     worker_restarts: int = 0
     histograms: TransferHistograms = field(default_factory=TransferHistograms)
     """Bytes and seconds of each settled load (L2 -> L1) and write (L1 -> L2)."""
+
+
+def leading_done(jobs: Iterable[_Job]) -> int:
+    """How many of `jobs`, from the oldest, are done (with no unfinished one between)."""
+    count = 0
+    for job in jobs:
+        if not job.done():
+            break
+        count += 1
+    return count

@@ -49,23 +49,22 @@ from ..storage import StorageBackend, chain_keys, namespace_root
 from ..storage.factory import backend_from_url
 from ..storage.faults import Breaker
 from ._l3_parts import (
-    TP_SLOTS,
     PrefetchJob,
     StorageCounters,
     _Backup,
-    _leading,
     _MissCache,
     _PageBuffers,
     page_format,
     shard,
 )
+from ._storage_tp import TPResults
 
 __all__ = ("PrefetchJob", "StorageCounters", "StorageTier", "page_format")
 
 log = logging.getLogger(__name__)
 
 
-class StorageTier:
+class StorageTier(TPResults):
     """Prefetch and backup for one cache (see the module docstring)."""
 
     def __init__(self, config: HiCacheConfig, tree: RadixTree, host_pool: HostPool, *,
@@ -399,42 +398,6 @@ class StorageTier:
         """Node groups whose host pages a backup or prefetch holds (for invariant checks)."""
         return [*(b.nodes for b in self._backing_up),
                 *(job.held for job in self._inflight.values())]
-
-    # ------------------------------------------------------------------ TP consensus
-
-    def tp_proposals(self) -> list[int]:
-        """This rank's results for the tick: `TP_SLOTS` each of prefetch counts, prefetch
-        arrivals and backups, oldest first, -1 where not ready (so MIN waits for every rank)."""
-        out: list[int] = []
-        for queue in (self._counting, self._reading, self._backing_up):
-            got = [-1 if item.proposal is None else item.proposal for item in queue[:TP_SLOTS]]
-            out.extend(got + [-1] * (TP_SLOTS - len(got)))
-        return out
-
-    def tp_apply(self, agreed: list[int]) -> None:
-        """Apply the results every rank has (the leading agreed slots of each queue)."""
-        counts, arrived, stored = (agreed[i * TP_SLOTS:(i + 1) * TP_SLOTS] for i in range(3))
-        for value in _leading(counts):
-            job = self._counting.pop(0)
-            job.proposal = None
-            if self._on_count(job, value):
-                self._reading.append(job)
-            else:
-                self._finish(job)
-            job.agreed.set()
-        for value in _leading(arrived):
-            job = self._reading.pop(0)
-            job.proposal = None
-            self._on_arrived(job, value)
-            self._finish(job)
-            job.agreed.set()
-        for value in _leading(stored):
-            backup = self._backing_up[0]
-            self._on_stored(backup, [i < value for i in range(len(backup.keys))])
-
-    def tp_local_bypass(self) -> bool:
-        """This rank's breaker is open (the tick ORs it over the ranks)."""
-        return self.breaker.state.value == "open"
 
     # ------------------------------------------------------------------ health
 

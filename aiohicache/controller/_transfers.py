@@ -26,14 +26,14 @@ from typing import Any, TypeVar
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._concurrency import Signal, pulse
+from .._concurrency import Signal, pulse, supervise
 from ..config import HiCacheConfig
 from ..errors import CapacityError, TPError, WorkerError
 from ..memory import PageIds
 from ..radix import DeviceState, Match, Node, RadixTree
 from ..transfer import TransferEngine, TransferHandle
 from ..transfer.base import write_after
-from ._jobs import LoadJob, TransferCounters, WriteJob, _concat, _Job
+from ._jobs import LoadJob, TransferCounters, WriteJob, _concat, _Job, leading_done
 from ._storage_tier import StorageTier
 
 __all__ = ("Controller",)
@@ -295,19 +295,11 @@ class Controller:
         (nodes LOADING/WRITING for good), so the cache must stop serving, visibly.
         """
         limit = self.config.transfer.max_worker_restarts if max_restarts is None else max_restarts
-        restarts = 0
-        while True:
-            try:
-                await worker()
-                return
-            except Exception as exc:
-                if restarts >= limit:
-                    log.exception("%s worker crashed; the cache stops serving", name)
-                    self.fail(exc)
-                    return
-                restarts += 1
-                self.counters.worker_restarts += 1
-                log.exception("%s worker crashed (restart %d)", name, restarts)
+
+        def restarted() -> None:
+            self.counters.worker_restarts += 1
+        await supervise(f"{name} worker", worker, limit=limit, on_restart=restarted,
+                        on_give_up=self.fail)
 
     def fail(self, exc: BaseException) -> None:
         """Stop serving for good: later calls raise, and waiters for settles wake up."""
@@ -381,7 +373,7 @@ class Controller:
 
     def local_done(self) -> tuple[int, int]:
         """Launched loads and writes finished here, counted from the oldest (no gaps)."""
-        return _leading_done(self._loads), _leading_done(self._writes)
+        return leading_done(self._loads), leading_done(self._writes)
 
     def apply_done(self, num_loads: int, num_writes: int) -> None:
         """Settle the `num_loads` oldest loads and `num_writes` oldest writes."""
@@ -451,11 +443,3 @@ class Controller:
         await self._load_rx.aclose()
         await self._write_rx.aclose()
 
-
-def _leading_done(jobs: deque[Any]) -> int:
-    count = 0
-    for job in jobs:
-        if not job.done():
-            break
-        count += 1
-    return count
