@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import anyio
 import pytest
 import torch
 
@@ -92,7 +93,7 @@ async def test_layer_ready_on_a_stream_makes_the_stream_wait_instead_of_the_host
             assert stream.waited == [("event", 0, 1)]  # the layer's event, nothing else
             assert not engine.handles[0].layer_done(1)  # and the host did not wait
             host_wait = asyncio.ensure_future(hit.layer_ready(1))
-            await asyncio.sleep(0.05)
+            await anyio.wait_all_tasks_blocked()
             assert not host_wait.done()
             engine.gate.set()
             await asyncio.wait_for(host_wait, 5)
@@ -118,7 +119,7 @@ async def test_cancelling_layer_ready_on_a_stream_before_launch_leaves_the_load_
                 stream = RecordingStream()
                 waiting = asyncio.ensure_future(
                     hit.layer_ready(0, stream=stream))  # type: ignore[arg-type]
-                await asyncio.sleep(0.01)
+                await anyio.wait_all_tasks_blocked()
                 assert not waiting.done()
                 waiting.cancel()
                 with pytest.raises(asyncio.CancelledError):

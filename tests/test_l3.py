@@ -199,7 +199,7 @@ async def test_closing_mid_copy_waits_for_the_copy_before_releasing_its_pages(
         await prefill(cache, make_tokens(24))  # queues a backup (gather), prefetch (scatter)
         await until(lambda: bool(seen[copy]))
         closing = asyncio.ensure_future(cache.aclose())  # cancels the backup or prefetch
-        await asyncio.sleep(0.05)
+        await anyio.wait_all_tasks_blocked()  # the close waits for the copy's thread
         assert not closing.done(), "closed while a copy still used the host pages"
         held = tier._backing_up if copy == "gather" else tier.reserved_host
         assert held, "pages unpinned or freed while a copy still used them"
@@ -294,7 +294,7 @@ async def test_cancelling_a_fetch_waiting_for_its_prefetch_leaves_the_cache_cons
     slow = FaultyBackend(backend, seed=0, latency=(0.2, 0.2))
     async with HiCache(make_config(storage=slow, **L3)) as second:
         task = asyncio.ensure_future(fetch_kv(second, make_tokens(24)))
-        await asyncio.sleep(0.05)
+        await anyio.wait_all_tasks_blocked()  # the fetch waits for the slow backend
         assert not task.done()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
