@@ -322,3 +322,14 @@ async def evict_everywhere_but_l3(cache: HiCache) -> None:
     cache.tree.evict_device(cache.device_pool.num_pages)
     cache.tree.evict_host(cache.host_pool.num_pages)
     cache.check_invariants()
+
+
+async def test_the_stores_byte_budget_and_use_show_in_the_caches_stats(tmp_path: Path) -> None:
+    """A store sized by its URL (``?max_bytes=``) reports its budget and what it holds
+    through `HiCache.stats()`, so an operator sees how full L3 is."""
+    async with HiCache(make_config(storage=f"file://{tmp_path}?max_bytes=1MiB", **L3)) as cache:
+        await fill_l3(cache, make_tokens(24))
+        st = cache.stats().storage
+        assert st is not None and st.capacity_bytes == 1 << 20
+        stored = st.backed_up_pages * cache.config.page_bytes
+        assert st.used_bytes is not None and st.used_bytes >= stored > 0
