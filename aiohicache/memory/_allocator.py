@@ -71,12 +71,28 @@ class PageAllocator:
         ids = np.asarray(pages, dtype=np.int64).reshape(-1)
         if len(ids) == 0:
             return
-        self.check_allocated(ids)
-        if len(ids) > 1 and self._repeats(ids):
-            raise PageError(f"{self._name}: page ids listed twice in one free")
+        if len(ids) <= _SCALAR_CHECK:
+            self._check_few(ids.tolist())
+        else:
+            self.check_allocated(ids)
+            if self._repeats(ids):
+                raise PageError(f"{self._name}: page ids listed twice in one free")
         self._used[ids] = False
         self._free[self._top:self._top + len(ids)] = ids[::-1]
         self._top += len(ids)
+
+    def _check_few(self, ids: list[int]) -> None:
+        """`check_allocated` and the repeat check for a handful of ids, in plain Python:
+        each numpy reduction costs about a microsecond however few ids it sees."""
+        used, cap = self._used, self.capacity
+        for page in ids:
+            if not 0 <= page < cap:
+                raise PageError(f"{self._name}: page {page} is foreign to a pool of "
+                                f"{cap} pages")
+            if not used[page]:
+                raise PageError(f"{self._name}: page {page} is not allocated (double free?)")
+        if len(ids) > 1 and len(set(ids)) != len(ids):
+            raise PageError(f"{self._name}: page ids listed twice in one free")
 
     def check_allocated(self, ids: PageIds) -> None:
         """Raise `PageError` unless every id in `ids` is a currently allocated page."""
@@ -121,6 +137,9 @@ def has_repeats(ids: PageIds) -> bool:
     ordered = np.sort(ids)  # cheap: ids usually arrive sorted
     return bool((ordered[1:] == ordered[:-1]).any())
 
+
+_SCALAR_CHECK = 8
+"""Up to this many ids, `PageAllocator.free` checks them one by one (2-3x faster)."""
 
 _SET_CHECK = 4096
 """Up to this many ids, `has_repeats` checks with a set (microseconds, GIL held)."""
