@@ -7,21 +7,21 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
-import math
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import Self
+from typing import Any, Self
 
+import anyio
 import numpy as np
+from anyio.abc import TaskGroup
 
-from .errors import ConfigError
+from ._validate import check_number
 
 __all__ = ("GcPauses", "LagSummary", "LoopLagProbe", "Stall", "StallSampler", "idle_floor",
            "quiet_runtime")
@@ -54,14 +54,10 @@ class LoopLagProbe:
     __slots__ = ("_due", "_interval", "_lags", "_task")
 
     def __init__(self, interval: float = 0.001) -> None:
-        if isinstance(interval, bool) or not isinstance(interval, int | float) or not (
-                math.isfinite(interval) and interval > 0):
-            raise ConfigError(f"interval: must be a finite number of seconds > 0, "
-                              f"got {interval!r}")
-        self._interval = float(interval)
+        self._interval = check_number("interval", interval, low=0, low_open=True)
         self._lags: list[float] = []  # seconds
         self._due: float | None = None  # perf_counter() at which the current sleep should end
-        self._task: asyncio.Task[None] | None = None
+        self._task = _Background("aiohicache-lag-probe")
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
@@ -69,47 +65,47 @@ class LoopLagProbe:
 
     @property
     def running(self) -> bool:
-        return self._task is not None
+        return self._task.running
 
     @property
     def num_samples(self) -> int:
         return len(self._lags)
 
     async def __aenter__(self) -> Self:
-        if self._task is not None:
+        if self._task.running:
             raise RuntimeError("the probe is already running")
-        self._task = asyncio.create_task(self._run(), name="aiohicache-lag-probe")
+        await self._task.start(self._run)
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         """Stop sampling.
 
-        Cancellation: the probe task is cancelled first, so it never outlives the block; if
-        this wait is cancelled, the task still ends on the loop's next iteration.
+        Cancellation: the probe task is cancelled first and waited for (it ends at once),
+        so it never outlives the block.
         """
-        task, self._task = self._task, None
-        if task is None:
-            return
-        self._record_overdue()
-        task.cancel()
-        # asyncio.wait, not `await task`: the task's CancelledError is ours to expect, while
-        # a cancellation of this coroutine must still propagate.
-        await asyncio.wait([task])
+        if self._task.running:
+            self._record_overdue()
+        await self._task.stop(exc)
 
     async def _run(self) -> None:
         clock, interval = time.perf_counter, self._interval
         while True:
-            self._due = clock() + interval
-            await asyncio.sleep(interval)
+            self._due = due = clock() + interval
+            await anyio.sleep(interval)
+            if self._due is None:
+                # The block ended while this wake-up was already queued (a cancel scope
+                # cancels a task at its next wait): `__aexit__` has accounted for it.
+                return
             # Timers may fire a hair early (within the loop's clock resolution): clamp at 0.
-            self._lags.append(max(0.0, clock() - self._due))
+            self._lags.append(max(0.0, clock() - due))
             self._due = None
 
     def _record_overdue(self) -> None:
-        if self._due is not None and (late := time.perf_counter() - self._due) > 0:
+        """At the end of the block: count the sleep in progress if it is already late."""
+        due, self._due = self._due, None
+        if due is not None and (late := time.perf_counter() - due) > 0:
             self._lags.append(late)
-            self._due = None
 
     def summary(self) -> LagSummary:
         """p50, p99 and max of the samples so far (callable while running)."""
@@ -191,7 +187,7 @@ class StallSampler:
         self._beat = time.perf_counter()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._task = _Background("aiohicache-stall-beat")
         self._loop_thread = threading.get_ident()
         self._gc_start: float | None = None
         self.stalls: list[Stall] = []
@@ -199,7 +195,7 @@ class StallSampler:
     async def __aenter__(self) -> Self:
         self._loop_thread = threading.get_ident()
         self._beat = time.perf_counter()
-        self._task = asyncio.create_task(self._heartbeat(), name="aiohicache-stall-beat")
+        await self._task.start(self._heartbeat)
         self._thread = threading.Thread(target=self._watch, name="aiohicache-stall-watch",
                                         daemon=True)
         self._thread.start()
@@ -208,19 +204,18 @@ class StallSampler:
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
+        """Stop watching. Cancellation: the heartbeat task is cancelled and waited for."""
         gc.callbacks.remove(self._gc_callback)
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait([self._task])
+            self._thread.join()  # at most one `poll`: it waits on `_stop`
+        await self._task.stop(exc)
 
     async def _heartbeat(self) -> None:
         clock, poll = time.perf_counter, self._poll
         while True:
             self._beat = clock() + poll  # when the loop should be back
-            await asyncio.sleep(poll)
+            await anyio.sleep(poll)
 
     def _watch(self) -> None:
         sampled_beat = None
@@ -308,5 +303,42 @@ async def idle_floor(seconds: float) -> LagSummary:
     """The probe's lag while the loop has nothing else to do: what the machine (timers, other
     processes on the cores) costs, measured beside a run to compare against it."""
     async with LoopLagProbe() as probe:
-        await asyncio.sleep(seconds)
+        await anyio.sleep(seconds)
     return probe.summary()
+
+
+class _Background:
+    """One task that runs beside an ``async with`` block of the task that starts it, in a
+    task group entered by `start` and left by `stop` (an ``__aenter__``/``__aexit__`` pair
+    of that same task, so the cancel scopes nest)."""
+
+    __slots__ = ("_name", "_tg")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._tg: TaskGroup | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._tg is not None
+
+    async def start(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        tg.start_soon(fn, name=self._name)
+        self._tg = tg
+
+    async def stop(self, exc: BaseException | None) -> None:
+        """Cancel the task and wait for it; never swallows the block's exception.
+
+        NOTE: the block's exception is handed to the task group only when it is a
+        cancellation (anyio's scopes account for it); any other is left to propagate as
+        itself, where the task group would wrap it in an exception group.
+        """
+        tg, self._tg = self._tg, None
+        if tg is None:
+            return
+        tg.cancel_scope.cancel()
+        cancel = exc if isinstance(exc, anyio.get_cancelled_exc_class()) else None
+        await tg.__aexit__(type(cancel) if cancel else None, cancel,
+                           cancel.__traceback__ if cancel else None)

@@ -281,6 +281,9 @@ class HFAdapter:
 
     async def _run_gated(self, hit: FetchContext, link: _PoolLink, past: PoolCache,
                          new: list[int], all_logits: bool) -> torch.Tensor:
+        # NOTE: the caller's executor (`executor=`), not anyio.to_thread: which thread runs a
+        # model is the caller's choice (the serving engine passes its single compute thread,
+        # which bounds cached and uncached passes together); None is the loop's default one.
         loop = asyncio.get_running_loop()
         work = loop.run_in_executor(self.executor, self._forward, new, past, all_logits)
         try:

@@ -64,7 +64,13 @@ class StorageStats:
 
 class _LoopThread:
     """An event loop on a daemon thread; `run` executes a coroutine there and blocks the
-    calling thread for its result (at most `timeout` seconds: then it is cancelled)."""
+    calling thread for its result (at most `timeout` seconds: then it is cancelled).
+
+    NOTE: plain asyncio, not anyio, on purpose: SGLang's world is threads, not an event
+    loop, so this is the one place the package owns a loop's lifetime from the outside (made
+    here, run forever on its own thread, stopped from another); the stores it serves are
+    asyncio-only (redis-py's asyncio client), so there is no backend to choose.
+    """
 
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()

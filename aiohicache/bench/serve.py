@@ -12,7 +12,7 @@ machine: with the cache, then with ``--no-cache`` (every prompt recomputed).
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import json
 import subprocess
 import sys
@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import aiohttp
+import anyio
 import numpy as np
 
 from ..replay import Request
@@ -122,9 +123,9 @@ async def drive(url: str, sessions: list[list[list[int]]], *, name: str, concurr
                     result.samples.append(await _request(http, url, prompt, max_tokens))
 
         start = time.perf_counter()
-        async with asyncio.TaskGroup() as tg:
+        async with anyio.create_task_group() as tg:
             for _ in range(min(concurrency, len(sessions))):
-                tg.create_task(worker())
+                tg.start_soon(worker)
         result.wall_s = time.perf_counter() - start
     return result
 
@@ -178,9 +179,9 @@ def bench_modes(sessions: list[list[list[int]]], config: ServeBenchConfig) -> li
     results = []
     for name, args in (("cache", config.server_args), ("no cache", ("--no-cache",))):
         with server_process(args) as url:
-            results.append(asyncio.run(drive(url, sessions, name=name,
-                                             concurrency=config.concurrency,
-                                             max_tokens=config.max_tokens)))
+            results.append(anyio.run(functools.partial(
+                drive, url, sessions, name=name, concurrency=config.concurrency,
+                max_tokens=config.max_tokens), backend="asyncio"))
     return results
 
 

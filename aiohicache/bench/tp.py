@@ -14,7 +14,6 @@ ranks wait for each other, so they see the same step times.
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import multiprocessing as mp
 import socket
@@ -22,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import numpy as np
 
 __all__ = ("TPBenchResult", "bench_tp", "format_tp")
@@ -78,7 +78,7 @@ def _rank_main(rank: int, size: int, port: int, steps: int, batch: int, queue: A
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size, timeout=datetime.timedelta(seconds=120))
     try:
-        result = asyncio.run(_measure(rank, size, steps, batch))
+        result = anyio.run(_measure, rank, size, steps, batch, backend="asyncio")
         queue.put({"rank": rank, "result": result})
     except Exception as exc:  # reported to the parent, which raises it
         queue.put({"rank": rank, "error": repr(exc)})
@@ -126,7 +126,9 @@ async def _steps(cache: Any, prompts: list[np.ndarray], steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
         contexts = [cache.fetch(p) for p in prompts]
-        await asyncio.gather(*(c.__aenter__() for c in contexts))
+        async with anyio.create_task_group() as tg:  # entered together, as a batch would
+            for ctx in contexts:
+                tg.start_soon(ctx.__aenter__)
         for ctx, tokens in zip(contexts, prompts, strict=True):
             if ctx.num_cached_tokens < len(tokens):
                 slots = await ctx.allocate(len(tokens) - ctx.num_cached_tokens)

@@ -18,13 +18,13 @@ awaited through the waiter thread. Needs a CUDA device, CuPy and NVRTC.
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+import anyio
 import numpy as np
 import torch
 
@@ -78,7 +78,7 @@ def bench_transfer(*, page_sizes: list[int], ctas: list[int], total_mb: int = 64
             rows.append(_measure(pools, to_device, ctas, repeat))
             echo(f"measured page {page_size} {rows[-1].direction}")
         pools[1].close()
-    lag, lag_gbps = asyncio.run(_loop_lag(spec, layout, total_mb << 20))
+    lag, lag_gbps = anyio.run(_loop_lag, spec, layout, total_mb << 20, backend="asyncio")
     props = torch.cuda.get_device_properties(0)
     versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}, " \
                f"driver {_driver_version()}, CuPy {_cupy_version()}"
@@ -175,7 +175,7 @@ def _engine_time(dev: DevicePool, host: HostPool, backend: Literal["kernel", "di
         finally:
             await engine.aclose()
         return float(statistics.median(times))
-    return asyncio.run(run())
+    return anyio.run(run, backend="asyncio")
 
 
 async def _loop_lag(spec: KVSpec, layout: Literal["layer_first", "page_first"],

@@ -8,7 +8,6 @@ the forward pass in flight finishes, the cache context exits, nothing leaks.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -16,9 +15,11 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
+import anyio
 from aiohttp import web
 
 from .. import ConfigError, HiCacheError
+from .._validate import check_int, check_number
 from .engine import Engine, SamplingParams, Usage
 
 __all__ = ("build_app", "running_server", "serve")
@@ -57,11 +58,15 @@ async def running_server(engine: Engine, host: str = "127.0.0.1",
 
 
 async def serve(engine: Engine, host: str, port: int, *, on_ready: Any = None) -> None:
-    """Open `engine` and serve it until cancelled; ``on_ready(url)`` once listening."""
+    """Open `engine` and serve it until cancelled; ``on_ready(url)`` once listening.
+
+    Cancellation: how it ends: the server stops accepting, in-flight handlers are cancelled
+    (their cache contexts exit), the engine and its cache close.
+    """
     async with engine, running_server(engine, host, port) as url:
         if on_ready is not None:
             on_ready(url)
-        await asyncio.Event().wait()
+        await anyio.sleep_forever()
 
 
 def _host_for_url(host: str) -> str:
@@ -169,18 +174,14 @@ def _prompt(engine: Engine, prompt: object) -> list[int]:
 
 
 def _params(body: dict[str, Any]) -> SamplingParams:
-    max_tokens = body.get("max_tokens", 16)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not (
-            1 <= max_tokens <= _MAX_TOKENS_LIMIT):
-        raise _BadRequest(f"max_tokens: an int in 1..{_MAX_TOKENS_LIMIT}")
-    temperature = body.get("temperature", 1.0)
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not (
-            0 <= temperature <= 2):
-        raise _BadRequest("temperature: a number in 0..2")
+    max_tokens = check_int("max_tokens", body.get("max_tokens", 16), low=1,
+                           high=_MAX_TOKENS_LIMIT, error=_BadRequest)
+    temperature = check_number("temperature", body.get("temperature", 1.0), low=0, high=2,
+                               error=_BadRequest)
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise _BadRequest("seed: an int")
-    return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), seed=seed)
+    if seed is not None:
+        seed = check_int("seed", seed, error=_BadRequest)
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:

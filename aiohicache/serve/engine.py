@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Protocol, Self
 
+import anyio
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
@@ -177,10 +178,14 @@ class Engine:
         self.name = name
         self.metrics = Metrics()
         self.cache = HiCache(cache_config(model, config)) if config.use_cache else None
+        # NOTE: an executor of its own, not anyio.to_thread with a limiter: cached passes run
+        # through `HFAdapter(executor=...)` (a public argument: callers pick the thread a
+        # model runs on) and uncached ones through `_run`, and one executor bounds both
+        # together to `compute_threads` (1 by default: one accelerator, one pass at a time).
         self._executor = ThreadPoolExecutor(config.compute_threads,
                                             thread_name_prefix="aiohicache-compute")
         self._adapter: HFAdapter | None = None
-        self._admission = asyncio.Semaphore(config.max_running)
+        self._admission = anyio.Semaphore(config.max_running)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
 
     async def __aenter__(self) -> Self:
