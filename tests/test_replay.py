@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 from click.testing import CliRunner
 
 from aiohicache import ConfigError
 from aiohicache.cli import cli
-from aiohicache.replay import load_trace, synthetic
-from aiohicache.replay.runner import MODELS, ReplayConfig, parse_capacity, replay, scaled_spec
+from aiohicache.replay import load_trace, stream_trace, synthetic
+from aiohicache.replay.runner import (
+    MODELS,
+    ReplayConfig,
+    ReplayResult,
+    parse_capacity,
+    replay,
+    scaled_spec,
+)
+from aiohicache.replay.traces import BUNDLED_MOONCAKE
 from tests.oracle import PrefixLRU
 
 
@@ -152,3 +165,86 @@ async def test_replay_with_a_file_l3_serves_from_all_three_tiers() -> None:
     assert r.l1_tokens > 0 and r.l2_tokens > 0 and r.l3_tokens > 0
     assert r.bytes_l3_written > 0 and r.bytes_l3_read > 0
     assert r.l1_tokens + r.l2_tokens + r.l3_tokens + r.recomputed_tokens == r.prompt_tokens
+
+
+# -- streaming the trace (issue 15 item 4) ----------------------------------------------------
+
+
+def _bundled_lines(limit: int) -> list[str]:
+    source = resources.files("aiohicache.replay") / "data" / BUNDLED_MOONCAKE
+    return source.read_text(encoding="utf-8").splitlines(keepends=True)[:limit]
+
+
+async def test_a_timestamped_replay_serves_before_its_trace_is_written(tmp_path: Path) -> None:
+    """The trace is a pipe: the test writes its first line, waits until the replay has served
+    that request, and only then writes the rest. A replay that loaded the trace first would
+    never serve anything (fail_after)."""
+    lines = _bundled_lines(60)
+    fifo = tmp_path / "trace.jsonl"
+    os.mkfifo(fifo)
+    first_served = anyio.Event()
+    served_before_rest: list[int] = []
+    config = ReplayConfig(spec=MODELS["tiny"], device_tokens=2_000_000, host_tokens=0,
+                          time_mode="timestamps", speedup=1e4)
+
+    def progress(n: int) -> None:
+        first_served.set()
+
+    async def feed() -> None:
+        pipe = await anyio.to_thread.run_sync(open, fifo, "w")  # until the replay opens it
+        try:
+            await anyio.to_thread.run_sync(_write, pipe, lines[:1])
+            await first_served.wait()
+            served_before_rest.append(1)
+            await anyio.to_thread.run_sync(_write, pipe, lines[1:])
+        finally:
+            pipe.close()
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(feed)
+            result = await replay(config, stream_trace(str(fifo)), progress=progress)
+    assert served_before_rest == [1]
+    listed = load_trace("mooncake", limit=60)
+    assert result.requests == 60
+    assert result.prompt_tokens == sum(r.input_length for r in listed)
+
+
+def _write(pipe: Any, lines: list[str]) -> None:
+    pipe.writelines(lines)
+    pipe.flush()
+
+
+async def test_a_streamed_trace_replays_to_the_same_numbers_as_a_loaded_one(
+        tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(_bundled_lines(300)))
+    config = ReplayConfig(spec=MODELS["llama3-8b"], kv_scale=64, device_tokens=300_000,
+                          host_tokens=1_000_000)
+    loaded = await replay(config, load_trace(str(path)))
+    streamed = await replay(config, stream_trace(str(path)))
+    assert _numbers(streamed) == _numbers(loaded)
+
+
+def _numbers(r: ReplayResult) -> tuple[int, ...]:
+    return (r.requests, r.prompt_tokens, r.l1_tokens, r.l2_tokens, r.l3_tokens,
+            r.recomputed_tokens, r.bytes_h2d, r.bytes_d2h)
+
+
+def test_cli_timestamped_replay_streams_a_trace_file(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(_bundled_lines(50)))
+    result = CliRunner().invoke(cli, ["replay", str(path), "--time", "timestamps",
+                                      "--speedup", "1000", "--no-progress", "--json",
+                                      "--model", "tiny", "--kv-scale", "1", "--l3", "none"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["requests"] == 50
+
+
+def test_cli_timestamped_replay_reports_a_bad_line_as_a_usage_error(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(_bundled_lines(3)) + "not json\n")
+    line = _usage_error_line(["replay", str(path), "--time", "timestamps", "--speedup",
+                              "1000", "--no-progress", "--model", "tiny", "--kv-scale", "1",
+                              "--l3", "none"])
+    assert f"{path}:4: not JSON" in line

@@ -90,8 +90,9 @@ async def stream_mooncake(path: PathLike, *, limit: int | None = None
     ``.jsonl``) streams on an event loop without loading it whole or blocking the loop on
     reads (`replay --time timestamps` reads its trace this way while it replays).
 
-    The file is read in 64 KiB chunks on aiofiles' thread, so a request is yielded as soon
-    as its line is in, while later lines are not read yet (a pipe or a growing file works).
+    The file is read in chunks of up to 64 KiB on aiofiles' thread, each as soon as some
+    data is there, so a request is yielded once its line is in, before later lines exist
+    (the trace may be a pipe).
 
     Raises:
         ConfigError: as `load_mooncake`, when the bad line is reached.
@@ -114,17 +115,23 @@ async def stream_mooncake(path: PathLike, *, limit: int | None = None
 
 
 async def _stream_records(name: str) -> AsyncIterator[tuple[str, Record]]:
-    """``("file:line", object)`` per non-blank line of `name`, read a chunk at a time."""
+    """``("file:line", object)`` per non-blank line of `name`, read a chunk at a time.
+
+    NOTE: ``read1`` on the binary file, not ``read``: ``read(n)`` waits for n bytes or the
+    end of the file, so on a pipe or a file still being written it would wait for data the
+    replay has no need of yet. A newline byte never occurs inside a UTF-8 character, so lines
+    are split as bytes and decoded one by one.
+    """
     try:
-        async with aiofiles.open(name, encoding="utf-8") as f:
-            lineno, rest = 0, ""
-            while chunk := await f.read(_CHUNK):
-                *lines, rest = (rest + chunk).split("\n")
+        async with aiofiles.open(name, "rb") as f:
+            lineno, rest = 0, b""
+            while chunk := await f.read1(_CHUNK):
+                *lines, rest = (rest + chunk).split(b"\n")
                 for line in lines:
                     lineno += 1
-                    if (parsed := numbered_record(name, lineno, line)) is not None:
+                    if (parsed := numbered_record(name, lineno, line.decode())) is not None:
                         yield parsed
-            if (parsed := numbered_record(name, lineno + 1, rest)) is not None:
+            if (parsed := numbered_record(name, lineno + 1, rest.decode())) is not None:
                 yield parsed
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{name}: cannot read trace: {exc}") from exc
