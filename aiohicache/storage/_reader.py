@@ -255,6 +255,18 @@ def _verified_copy(fmt: PageFormat, key: str, record: memoryview, dest: memoryvi
     payload = decode_page(fmt, key, record)
     if payload is None:
         return Outcome.CORRUPT
-    # numpy copies without the GIL (a memoryview slice assignment holds it: loop lag)
-    np.frombuffer(dest, np.uint8)[:] = np.frombuffer(payload, np.uint8)
+    if len(payload) <= _COPY_WITH_GIL:
+        dest[:] = payload
+    else:  # numpy copies without the GIL: a long copy holding it would stall the loop
+        np.frombuffer(dest, np.uint8)[:] = np.frombuffer(payload, np.uint8)
     return Outcome.FILLED
+
+
+_COPY_WITH_GIL: Final = 256 << 10
+"""Payloads up to this size are copied holding the GIL (tens of µs at most).
+
+NOTE: each time an I/O thread lets go of the GIL it must win it back from the loop and the
+other I/O threads; at 64 KiB a copy is shorter than that hand-off. Holding the GIL for it:
+64 KiB reads, 4 threads, 16 interleaved runs each, 34 vs 42 µs of CPU per page, 1.77 vs
+1.63 GB/s (medians).
+"""
