@@ -36,8 +36,9 @@ def run(fn: Callable[..., Awaitable[T]], *args: Any, loop: str) -> T:
     """``fn(*args)`` on a fresh event loop of the kind ``--loop`` named.
 
     NOTE: anyio's asyncio backend, with the loop factory of `loop_factory`, so ``--loop
-    uvloop`` runs on uvloop; the cache needs asyncio (docs/architecture.md, "Concurrency
-    vocabulary"), so there is no trio choice here.
+    uvloop`` runs on uvloop. No trio choice: the commands use asyncio-only parts (the Redis
+    store, aiohttp, the HF adapter's executor); docs/architecture.md, "Concurrency
+    vocabulary", says what runs under trio.
     """
     return anyio.run(fn, *args, backend="asyncio",
                      backend_options={"loop_factory": loop_factory(loop)})
