@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import click
 from tqdm import tqdm
 
 from ._cli_common import comma_list, evictions, l3_url, loop_option, run
+from ._lagprobe import StallSampler
 from .config import KVSpec
 from .errors import ConfigError
 from .replay import Request, load_trace, stream_trace
@@ -98,6 +99,9 @@ def _output_options() -> list[Callable[[Any], Any]]:
                      help="With --sweep: write the curve as a PNG."),
         click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables."),
         click.option("--no-progress", is_flag=True, help="No progress bar."),
+        click.option("--stalls", type=click.FloatRange(min=0.1), default=None, metavar="MS",
+                     help="Also find where the loop stalls longer than MS milliseconds "
+                          "(StallSampler): the most frequent stacks go to stderr."),
     ]
 
 
@@ -105,7 +109,7 @@ def _output_options() -> list[Callable[[Any], Any]]:
 @_options
 def replay(trace: str, limit: int | None, l3: str, eviction: list[str], time_mode: str,
            sweep: list[str] | None, plot: str | None, as_json: bool, no_progress: bool,
-           loop: str, **spec_and_tiers: Any) -> None:
+           stalls: float | None, loop: str, **spec_and_tiers: Any) -> None:
     """Replay a serving trace through a real cache and report what each tier served.
 
     TRACE is "mooncake" (a bundled 2,000-request slice of the Mooncake conversation trace),
@@ -118,7 +122,7 @@ def replay(trace: str, limit: int | None, l3: str, eviction: list[str], time_mod
         configs = sweep_configs(base, [base.device_tokens] if sweep is None else
                                 _sweep_tokens(sweep, base.spec.bytes_per_token), eviction)
         requests = _trace(trace, limit, streamed=time_mode == "timestamps")
-        results = [_replay_one(c, requests, loop, total=limit,
+        results = [_replay_one(c, requests, loop, total=limit, stalls=stalls,
                                progress=not (no_progress or as_json)) for c in configs]
     except ConfigError as exc:  # also a pool larger than the machine: device_pages from --l1
         raise click.UsageError(str(exc)) from exc
@@ -173,7 +177,7 @@ def _replay_spec(model: str, layers: int | None, kv_heads: int | None,
 
 
 def _replay_one(config: ReplayConfig, trace: Trace, loop: str, *, total: int | None,
-                progress: bool) -> ReplayResult:
+                stalls: float | None, progress: bool) -> ReplayResult:
     requests = trace()
     if isinstance(requests, Sequence):
         total = len(requests)
@@ -183,7 +187,20 @@ def _replay_one(config: ReplayConfig, trace: Trace, loop: str, *, total: int | N
         def advance(n: int) -> None:
             bar.update(n)
 
-        return run(functools.partial(run_replay, config, requests, progress=advance), loop=loop)
+        replay = functools.partial(run_replay, config, requests, progress=advance)
+        if stalls is None:
+            return run(replay, loop=loop)
+        return run(_sampled, replay, stalls / 1e3, loop=loop)
+
+
+async def _sampled(replay: Callable[[], Awaitable[ReplayResult]],
+                   threshold: float) -> ReplayResult:
+    """`replay()` under a `StallSampler`; its report goes to stderr (``--json`` stays
+    parseable). Cancellation: the replay is cancelled and the sampler stopped."""
+    async with StallSampler(threshold=threshold) as sampler:
+        result = await replay()
+    click.echo(sampler.report(), err=True)
+    return result
 
 
 def _print_replay(results: list[ReplayResult], trace: str, *, as_json: bool,

@@ -175,7 +175,7 @@ class StallSampler:
             ...
         print(sampler.report())   # the most frequent stacks, with total and max stall
 
-    A diagnosis tool (``aiohicache replay --stalls``, ``bench core --stalls``): the watchdog
+    A diagnosis tool (``aiohicache replay --stalls MS``): the watchdog
     takes the GIL every `poll`, so it adds a little lag of its own.
     """
 

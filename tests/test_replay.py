@@ -248,3 +248,12 @@ def test_cli_timestamped_replay_reports_a_bad_line_as_a_usage_error(tmp_path: Pa
                               "1000", "--no-progress", "--model", "tiny", "--kv-scale", "1",
                               "--l3", "none"])
     assert f"{path}:4: not JSON" in line
+
+
+def test_cli_replay_stalls_reports_stacks_on_stderr() -> None:
+    result = CliRunner().invoke(cli, ["replay", "--limit", "50", "--no-progress", "--json",
+                                      "--model", "tiny", "--kv-scale", "1", "--l3", "none",
+                                      "--stalls", "0.5"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["requests"] == 50
+    assert "stalls > 0.5 ms" in result.stderr
