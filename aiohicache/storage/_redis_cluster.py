@@ -174,8 +174,8 @@ class RedisClusterBackend(RedisBackend):
 
 
 def cluster_client(url: str, safe_url: str, *, socket_timeout: float,
-                    connect_timeout: float, max_connections: int,
-                    retries: int) -> RedisCluster:
+                   connect_timeout: float, max_connections: int,
+                   retries: int) -> RedisCluster:
     parts = urlsplit(url)
     if parts.scheme not in CLUSTER_SCHEMES:
         raise ConfigError(f"url {safe_url!r}: the scheme must be one of {CLUSTER_SCHEMES}")

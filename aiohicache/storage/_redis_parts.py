@@ -16,7 +16,7 @@ from .._validate import check_int, check_number
 from ..errors import ConfigError
 from .base import HEADER_SIZE, PageFormat, decode_page, encode_header
 
-__all__ = ("CLUSTER_SCHEMES", "Blob", "check_settings", "check_writable", "client",
+__all__ = ("CLUSTER_SCHEMES", "SCHEMES", "Blob", "check_settings", "check_writable", "client",
            "copy_payloads", "encode_objects", "leading_true", "redact", "verify")
 
 SCHEMES: Final = ("redis", "rediss", "unix")
@@ -29,7 +29,7 @@ Blob = bytes | None
 
 
 def verify(fmt: PageFormat, keys: Sequence[str],
-            blobs: list[Blob]) -> list[memoryview | None]:
+           blobs: list[Blob]) -> list[memoryview | None]:
     """The checked payload of each key's blob, or None (absent or rejected)."""
     return [decode_page(fmt, key, blob) for key, blob in zip(keys, blobs, strict=True)]
 
@@ -43,7 +43,7 @@ def copy_payloads(payloads: list[memoryview | None], views: list[memoryview]) ->
 
 
 def encode_objects(fmt: PageFormat, keys: Sequence[str],
-                    views: list[memoryview]) -> list[memoryview]:
+                   views: list[memoryview]) -> list[memoryview]:
     """Header + payload of each key's page, as one contiguous object each."""
     objects = []
     for key, view in zip(keys, views, strict=True):
@@ -55,12 +55,15 @@ def encode_objects(fmt: PageFormat, keys: Sequence[str],
 
 
 def check_writable(views: list[memoryview]) -> None:
+    """Raise `ConfigError` naming the first read-only buffer (`get_into` writes them)."""
     for i, view in enumerate(views):
         if view.readonly:
             raise ConfigError(f"buffers[{i}]: is read-only; get_into needs writable buffers")
 
 
 def leading_true(replies: list[object]) -> int:
+    """How many replies, from the first, are a true count (`exists` stops at the first
+    absent key)."""
     for i, reply in enumerate(replies):
         if not isinstance(reply, int) or not reply:  # an error (a lost node) is absent
             return i
@@ -71,7 +74,7 @@ def leading_true(replies: list[object]) -> int:
 
 
 def client(url: str, safe_url: str, *, socket_timeout: float, connect_timeout: float,
-            max_connections: int, retries: int) -> Redis:
+           max_connections: int, retries: int) -> Redis:
     parts = urlsplit(url)
     if parts.scheme not in SCHEMES:
         raise ConfigError(f"url {safe_url!r}: the scheme must be one of {SCHEMES}")
