@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import tempfile
+from typing import cast
 
 import click
 import torch
@@ -23,6 +24,7 @@ from ._cli_replay import replay
 from .bench import FULL, QUICK, run_core
 from .bench.tree import bench_tree, format_tree
 from .errors import ConfigError
+from .radix._policy import PolicyName
 from .replay import load_trace
 from .replay.runner import parse_capacity
 
@@ -159,14 +161,18 @@ def bench_serve_cmd(trace: str, num_requests: int, concurrency: int, max_tokens:
 @click.option("--limit", type=click.IntRange(min=1), default=None)
 @click.option("--capacity", default="10.24M", show_default=True, help="Tokens.")
 @click.option("--page-size", type=click.IntRange(1, 256), default=16, show_default=True)
-def bench_tree_cmd(trace: str, limit: int | None, capacity: str, page_size: int) -> None:
+@click.option("--eviction", type=click.Choice(["lru", "lfu", "arc"]), default="lru",
+              show_default=True, help="The tree's eviction policy (its bookkeeping is timed).")
+def bench_tree_cmd(trace: str, limit: int | None, capacity: str, page_size: int,
+                   eviction: str) -> None:
     """Radix-tree bookkeeping per request on a trace (no transfers)."""
     try:
         tokens = parse_capacity(capacity, bytes_per_token=1, field_name="capacity")
         requests = load_trace(trace, limit=limit)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    click.echo(format_tree(bench_tree(requests, capacity_tokens=tokens, page_size=page_size)))
+    click.echo(format_tree(bench_tree(requests, capacity_tokens=tokens, page_size=page_size,
+                                      eviction=cast(PolicyName, eviction))))
 
 
 @cli.command()
