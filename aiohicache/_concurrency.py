@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 import anyio
 import anyio.lowlevel
 
-__all__ = ("Detached", "LoopBridge", "Promise", "Signal", "finish_then_cancel", "pulse",
+__all__ = ("Detached", "LoopBridge", "Promise", "Pulse", "Signal", "finish_then_cancel",
            "run_in_thread", "supervise")
 
 T = TypeVar("T")
@@ -92,19 +92,23 @@ class _Dropped(Exception):
 class Promise(Generic[T]):
     """A one-shot result. `wait` is cancellable without cancelling the promise, so any
     number of tasks may wait on one shared result. Callbacks run at settlement, on the loop.
+
+    The event behind `wait` is made by the first waiter: most promises (a job's launch, a
+    consensus op) settle before anyone waits, and a request makes several.
     """
 
-    __slots__ = ("_callbacks", "_cancelled", "_error", "_event", "_result")
+    __slots__ = ("_callbacks", "_cancelled", "_done", "_error", "_event", "_result")
 
     def __init__(self) -> None:
-        self._event = anyio.Event()
+        self._event: anyio.Event | None = None
+        self._done = False
         self._result: T | None = None
         self._error: BaseException | None = None
         self._cancelled = False
         self._callbacks: list[Callable[[Promise[T]], object]] = []
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def cancelled(self) -> bool:
         return self._cancelled
@@ -133,11 +137,16 @@ class Promise(Generic[T]):
 
     async def wait(self) -> T:
         """The result, once set (raises its exception). Cancellation: only the wait."""
-        await self._event.wait()
+        await self.settled()
         return self.result()
 
     async def settled(self) -> None:
         """Wait until it is settled, whichever way. Cancellation: only the wait."""
+        if self._done:
+            await anyio.lowlevel.checkpoint()  # a wait is a checkpoint, done or not
+            return
+        if self._event is None:
+            self._event = anyio.Event()
         await self._event.wait()
 
     def add_done_callback(self, fn: Callable[[Promise[T]], object]) -> None:
@@ -148,9 +157,11 @@ class Promise(Generic[T]):
             self._callbacks.append(fn)
 
     def _settle(self) -> None:
-        if self._event.is_set():
+        if self._done:
             raise RuntimeError("promise already settled")
-        self._event.set()
+        self._done = True
+        if self._event is not None:
+            self._event.set()
         callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn(self)
@@ -283,7 +294,35 @@ class Signal:
         await self._event.wait()
 
 
-def pulse(event: anyio.Event) -> anyio.Event:
-    """Wake everyone waiting on `event`; return a fresh one for the next waiters."""
-    event.set()
-    return anyio.Event()
+class Pulse:
+    """News for whoever is waiting: `fire` wakes every current waiter; later ones wait for
+    the next fire. `generation` counts fires, so a caller that reads it, then checks its
+    condition, then waits with ``since=`` cannot miss a fire in between.
+
+    The event is made only when someone waits: most fires (a settle, a drained channel)
+    find nobody waiting.
+    """
+
+    __slots__ = ("_event", "generation")
+
+    def __init__(self) -> None:
+        self._event: anyio.Event | None = None
+        self.generation = 0
+
+    def fire(self) -> None:
+        self.generation += 1
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    async def wait(self, since: int | None = None) -> None:
+        """Until the next fire (or at once if one happened after generation `since`).
+
+        Cancellation: only the wait.
+        """
+        if since is not None and since != self.generation:
+            await anyio.lowlevel.checkpoint()
+            return
+        if self._event is None:
+            self._event = anyio.Event()
+        await self._event.wait()

@@ -22,7 +22,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 
-from ._concurrency import pulse
+from ._concurrency import Pulse
 from .controller import AGAIN, Consensus, Controller, Op, _Job
 
 __all__ = ("AGAIN", "Executor", "LocalExecutor", "Op", "Plan", "TickExecutor")
@@ -58,21 +58,21 @@ class LocalExecutor:
 
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
-        self._news = anyio.Event()
+        self._news = Pulse()
 
     def kick(self) -> None:
         """Something changed that may let a waiting operation finish."""
-        self._news = pulse(self._news)
+        self._news.fire()
 
     async def call(self, fn: Callable[[Op], Plan[T]],
                    undo: Callable[[T], None] | None = None) -> T:
         op = Op(fn, undo)
         while True:
-            news = self._news
+            seen = self._news.generation  # a kick while `fn` runs is not missed
             plan = fn(op)
             if plan is not AGAIN:
                 break
-            await self._wait(news, op)
+            await self._wait(seen, op)
         try:
             await self.controller.submit_all(plan.jobs)
         except BaseException:
@@ -81,11 +81,11 @@ class LocalExecutor:
             raise
         return plan.result
 
-    async def _wait(self, news: anyio.Event, op: Op) -> None:
+    async def _wait(self, seen: int, op: Op) -> None:
         """Until news or `op.deadline`; past the deadline the operation must finish."""
         left = math.inf if op.deadline is None else op.deadline - time.monotonic()
         with anyio.move_on_after(left):
-            await news.wait()
+            await self._news.wait(since=seen)
         if op.deadline is not None and time.monotonic() >= op.deadline:
             op.stop = True
 

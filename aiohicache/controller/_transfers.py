@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._concurrency import Signal, pulse, supervise
+from .._concurrency import Pulse, Signal, supervise
 from ..config import HiCacheConfig
 from ..errors import CapacityError, TPError, WorkerError
 from ..memory import PageIds
@@ -66,8 +66,8 @@ class Controller:
         self._queued = 0                          # jobs sent but not yet launched
         self._unsettled: dict[int, _Job] = {}     # every planned job until it settles
         self._wakeup = Signal()                  # a copy finished: settle
-        self._settled = anyio.Event()            # pulsed by every settle that applied something
-        self._room = anyio.Event()               # pulsed when a worker empties its channel
+        self._settled = Pulse()                  # fired by every settle that applied something
+        self._room = Pulse()                     # fired when a worker empties its channel
         self.demoting_pages = 0                   # device pages freed when write-backs settle
 
     # ------------------------------------------------------------------ state
@@ -305,7 +305,7 @@ class Controller:
         """Stop serving for good: later calls raise, and waiters for settles wake up."""
         if self.failure is None:
             self.failure = exc
-        self._settled = pulse(self._settled)
+        self._settled.fire()
 
     async def _load_worker(self) -> None:
         await self._drain_channel(self._load_rx, self._launch_loads, self._loads)
@@ -325,7 +325,7 @@ class Controller:
                 except (anyio.WouldBlock, anyio.EndOfStream):
                     break
             self._queued -= len(batch)
-            self._room = pulse(self._room)  # wake senders waiting for room
+            self._room.fire()  # wake senders waiting for room
             launch(batch)
             while len(inflight) > limit:  # backpressure: the channel fills behind us
                 await self.wait_settled()
@@ -382,7 +382,7 @@ class Controller:
         for _ in range(num_writes):
             self._settle_write(self._writes.popleft())
         if num_loads or num_writes:
-            self._settled = pulse(self._settled)
+            self._settled.fire()
 
     def _settle_load(self, job: LoadJob) -> None:
         assert job.handle is not None

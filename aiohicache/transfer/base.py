@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import anyio
 
-from .._concurrency import LoopBridge
+from .._concurrency import LoopBridge, Promise
 from ..errors import TransferError
 from ..memory import DevicePool, HostPool, PageIds
 
@@ -42,7 +42,7 @@ class TransferHandle:
         self.nbytes = nbytes
         self._layers_done = 0
         self._waiters: dict[int, anyio.Event] = {}
-        self._done = anyio.Event()
+        self._done = Promise[None]()  # its event is made only if someone waits
         self._error: TransferError | None = None
         self._callbacks: list[Callable[[TransferHandle], None]] = []
         self._events: Sequence[object] | None = None  # set by engines that record CUDA events
@@ -62,7 +62,7 @@ class TransferHandle:
         return f"<TransferHandle {self.nbytes} bytes, {self.num_layers} layers, {state}>"
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._done.done()
 
     def layer_done(self, layer: int) -> bool:
         return layer < self._layers_done or self.done()
@@ -94,7 +94,7 @@ class TransferHandle:
 
     async def wait(self) -> None:
         """Wait until every layer is in place. Cancellation: as `wait_layer`."""
-        await self._done.wait()
+        await self._done.settled()
         if self._error is not None:
             raise self._error
 
@@ -123,7 +123,7 @@ class TransferHandle:
             self._error = err
         else:
             self._layers_done = self.num_layers
-        self._done.set()
+        self._done.set_result(None)
         for event in self._waiters.values():
             event.set()
         self._waiters.clear()
