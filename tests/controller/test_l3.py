@@ -75,7 +75,7 @@ async def test_another_process_reads_what_this_one_stored(tmp_path: Path) -> Non
         asyncio.run(main())
     """)
     await anyio.run_process([sys.executable, "-c", script], check=True,
-                            cwd=Path(__file__).parent.parent)
+                            cwd=Path(__file__).parents[2])
     original = await anyio.to_thread.run_sync(torch.load, tmp_path / "kv.pt")
     async with HiCache(make_config(storage=f"file://{tmp_path}", **L3)) as cache:
         kv, from_l3 = await fetch_kv(cache, make_tokens(24))

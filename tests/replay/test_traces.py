@@ -17,7 +17,7 @@ from aiohicache import ConfigError
 from aiohicache.replay import Request, load_agentic, load_mooncake, load_trace, synthetic
 from aiohicache.replay.traces import stream_mooncake
 
-DATA = Path(__file__).resolve().parents[2] / "shared/data"
+DATA = Path(__file__).resolve().parents[3] / "shared/data"
 MOONCAKE = DATA / "mooncake/conversation_trace.jsonl"
 AGENTIC = DATA / "kv-cache-tester/kv_cache_tester_60traces.jsonl.gz"
 

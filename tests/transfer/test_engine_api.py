@@ -17,9 +17,8 @@ import torch
 
 from aiohicache import ConfigError, CpuTransferEngine, HiCache, TransferHandle
 from aiohicache.memory import DevicePool, HostPool, PageIds
-
-from .conftest import make_config, make_tokens, prefill, read_kv
-from .test_api import evict_all
+from tests.conftest import make_config, make_tokens, prefill, read_kv
+from tests.test_api import evict_all
 
 
 class MarkedEngine(CpuTransferEngine):

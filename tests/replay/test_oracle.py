@@ -12,7 +12,7 @@ import pytest
 
 from tests.oracle import PrefixLRU
 
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared/data/mooncake/conversation_trace.jsonl"
+MOONCAKE = Path(__file__).resolve().parents[3] / "shared/data/mooncake/conversation_trace.jsonl"
 BLOCK = 512
 
 

@@ -35,10 +35,9 @@ from aiohicache.transfer.geometry import (
     kernel_launches,
     layer_spans,
 )
-
-from . import transfer_matrix as tm
-from .conftest import until
-from .cuda_reference import Memory, host_kernel, run_direct, run_kernel
+from tests import transfer_matrix as tm
+from tests.conftest import until
+from tests.cuda_reference import Memory, host_kernel, run_direct, run_kernel
 
 HOST = host_kernel()
 needs_gxx = pytest.mark.skipif(HOST is None, reason="g++ not installed")
