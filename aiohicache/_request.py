@@ -22,7 +22,7 @@ from .controller import Controller, LoadJob, PrefetchJob
 from .errors import CapacityError, ClosedError, ConfigError
 from .memory import PageIds
 from .radix import DeviceState, Match, Node
-from .transfer.base import record_fence
+from .transfer._base import record_fence
 
 __all__ = ("Request", "alloc_op")
 

@@ -146,7 +146,7 @@ class HiCache:
         backend = self.config.resolved_io_backend
         if backend == "cpu":
             return CpuTransferEngine(self.device_pool, self.host_pool)
-        from .transfer.cuda import CudaTransferEngine  # imports CuPy: only on CUDA
+        from .transfer._cuda import CudaTransferEngine  # imports CuPy: only on CUDA
 
         return CudaTransferEngine(self.device_pool, self.host_pool, backend=backend,
                                   ctas=self.config.transfer.ctas)

@@ -14,7 +14,7 @@
 // Layers [layer_begin, layer_begin + layers) are copied: one layer (layer-wise load) or all.
 //
 // - One argument, a `CopyParams` struct by value (the host packs it with numpy: see
-//   aiohicache/transfer/kernels.py, PARAMS_DTYPE, which must match it field for field).
+//   aiohicache/transfer/_cuda_kernels.py, PARAMS_DTYPE, which must match it field for field).
 // - Indices are page ids (int64, device memory), not token ids: page_size times fewer than a
 //   token-index kernel reads.
 // - A negative index on either side skips the pair (padding in a fixed-size batch). Ids

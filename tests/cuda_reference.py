@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aiohicache.transfer import kernels
-from aiohicache.transfer.geometry import Copy2D
+from aiohicache.transfer import _cuda_kernels as kernels
+from aiohicache.transfer._geometry import Copy2D
 
 __all__ = ("HostKernel", "Memory", "host_kernel", "run_direct", "run_kernel")
 

@@ -15,7 +15,7 @@ import torch
 from aiohicache import KVSpec
 from aiohicache.memory import DevicePool, HostPool
 from aiohicache.transfer._copy import CopyPlan
-from aiohicache.transfer.cpu import copy_layer, word_views
+from aiohicache.transfer._cpu import copy_layer, word_views
 
 DTYPES = ["bf16", "fp16", "fp8"]
 PAGE_SIZES = [1, 16, 64, 256]

@@ -13,7 +13,7 @@ import numpy.typing as npt
 
 from ..memory import DevicePool, HostPool, PageIds
 from ..transfer._copy import CopyPlan
-from ..transfer.cpu import copy_layer, word_views
+from ..transfer._cpu import copy_layer, word_views
 from ._core_sizes import GB, CoreSizes, spec_of
 
 Direction = Literal["D2H", "H2D"]

@@ -32,8 +32,8 @@ from .._lagprobe import LagSummary, LoopLagProbe
 from ..config import KVSpec
 from ..errors import ConfigError
 from ..memory import DevicePool, HostPool
-from ..transfer.cuda import CudaTransferEngine
-from ..transfer.geometry import Geometry
+from ..transfer._cuda import CudaTransferEngine
+from ..transfer._geometry import Geometry
 
 __all__ = ("TransferRow", "bench_transfer", "format_transfer")
 
@@ -128,7 +128,7 @@ def _contiguous(dev: DevicePool, host: HostPool, nbytes: int, to_device: bool) -
 
 def _per_page(dev: DevicePool, host: HostPool, src: np.ndarray, dst: np.ndarray,
               to_device: bool, stream: torch.cuda.Stream) -> None:
-    from ..transfer.kernels import cupy
+    from ..transfer._cuda_kernels import cupy
 
     runtime = cupy().cuda.runtime
     g = Geometry.of(dev, host)
@@ -206,14 +206,14 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 
 def _driver_version() -> str:
-    from ..transfer.kernels import cupy
+    from ..transfer._cuda_kernels import cupy
 
     v = int(cupy().cuda.runtime.driverGetVersion())
     return f"{v // 1000}.{v % 1000 // 10}"
 
 
 def _cupy_version() -> str:
-    from ..transfer.kernels import cupy
+    from ..transfer._cuda_kernels import cupy
 
     return str(cupy().__version__)
 

@@ -32,7 +32,7 @@ from ..errors import CapacityError, TPError, WorkerError
 from ..memory import PageIds
 from ..radix import DeviceState, Match, Node, RadixTree
 from ..transfer import TransferEngine, TransferHandle
-from ..transfer.base import write_after
+from ..transfer._base import write_after
 from ._jobs import LoadJob, TransferCounters, WriteJob, _concat, _Job, leading_done
 from ._storage_tier import StorageTier
 

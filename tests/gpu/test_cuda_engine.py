@@ -18,8 +18,8 @@ import torch
 from aiohicache import HiCache, KVSpec
 from aiohicache.errors import PageError
 from aiohicache.memory import DevicePool, HostPool
-from aiohicache.transfer.cuda import CudaTransferEngine
-from aiohicache.transfer.geometry import Geometry
+from aiohicache.transfer._cuda import CudaTransferEngine
+from aiohicache.transfer._geometry import Geometry
 
 from .. import transfer_matrix as tm
 from ..conftest import make_config, make_tokens

@@ -23,10 +23,10 @@ import torch
 from aiohicache import ConfigError, KVSpec
 from aiohicache.errors import PageError
 from aiohicache.memory import DevicePool, HostPool
-from aiohicache.memory.pinned import Registration
-from aiohicache.transfer import geometry, kernels
-from aiohicache.transfer._waiter import EventWaiter
-from aiohicache.transfer.geometry import (
+from aiohicache.memory._pinned import Registration
+from aiohicache.transfer import _cuda_kernels as kernels
+from aiohicache.transfer import _geometry as geometry
+from aiohicache.transfer._geometry import (
     Geometry,
     Side,
     check_page_ids,
@@ -35,6 +35,7 @@ from aiohicache.transfer.geometry import (
     kernel_launches,
     layer_spans,
 )
+from aiohicache.transfer._waiter import EventWaiter
 from tests import transfer_matrix as tm
 from tests.conftest import until
 from tests.cuda_reference import Memory, host_kernel, run_direct, run_kernel
@@ -257,7 +258,7 @@ def test_a_kernel_that_does_not_compile_is_a_config_error_with_the_log() -> None
 
 
 def test_importing_aiohicache_does_not_import_cupy() -> None:
-    code = ("import sys, aiohicache, aiohicache.transfer.kernels, aiohicache.transfer.cuda;"
+    code = ("import sys, aiohicache, aiohicache.transfer._cuda_kernels, aiohicache.transfer._cuda;"
             "assert 'cupy' not in sys.modules, 'cupy imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -174,7 +174,7 @@ def test_backend_choices_that_cannot_work_are_config_errors(fields: dict[str, ob
 
 
 def test_the_cuda_engine_refuses_pools_it_cannot_copy() -> None:
-    from aiohicache.transfer.cuda import CudaTransferEngine
+    from aiohicache.transfer._cuda import CudaTransferEngine
 
     cfg = make_config()
     dev = DevicePool(cfg.spec, num_pages=4, page_size=4)

@@ -12,8 +12,8 @@ import torch
 from aiohicache import ConfigError, CpuTransferEngine, KVSpec, TransferError, TransferHandle
 from aiohicache.errors import PageError
 from aiohicache.memory import DevicePool, HostPool
+from aiohicache.transfer._base import record_fence, write_after
 from aiohicache.transfer._copy import CopyPlan, copy_pages
-from aiohicache.transfer.base import record_fence, write_after
 
 SPECS = {
     "mha-bf16": KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=16, dtype="bf16"),

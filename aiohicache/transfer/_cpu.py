@@ -15,9 +15,9 @@ import torch
 
 from ..errors import ClosedError
 from ..memory import DevicePool, HostPool, PageIds
+from ._base import TransferHandle
 from ._copy import CopyPlan, as_words, copy_pages
-from .base import TransferHandle
-from .geometry import check_copy
+from ._geometry import check_copy
 
 __all__ = ("CpuTransferEngine", "copy_layer", "word_views")
 

@@ -15,7 +15,7 @@ import torch
 from ..config import KVSpec
 from ..errors import ConfigError
 from ._allocator import PageAllocator, PageIds
-from .pinned import register
+from ._pinned import register
 
 __all__ = ("DevicePool", "HostPool")
 
@@ -164,7 +164,7 @@ class HostPool(_PagePool):
       one contiguous block, so one page is one storage object without a gather.
 
     With ``pin_memory=True`` the pool is page-locked for DMA with ``cudaHostRegister`` of
-    exactly its bytes (see `aiohicache.memory.pinned`); `close()` unlocks it.
+    exactly its bytes (see `aiohicache.memory._pinned`); `close()` unlocks it.
     """
 
     __slots__ = ("_registration", "layout")

@@ -25,7 +25,7 @@ from types import ModuleType
 import numpy as np
 
 from ..errors import ConfigError
-from .geometry import (
+from ._geometry import (
     MAX_CHUNKS,
     VECTOR_WIDTHS,
     Geometry,

@@ -33,10 +33,10 @@ import torch
 from .._validate import check_int
 from ..errors import ClosedError, ConfigError
 from ..memory import DevicePool, HostPool, PageIds
-from . import kernels
+from . import _cuda_kernels as kernels
+from ._base import TransferHandle
+from ._geometry import Geometry, check_copy, coalesce, direct_copies, layer_spans
 from ._waiter import EventWaiter
-from .base import TransferHandle
-from .geometry import Geometry, check_copy, coalesce, direct_copies, layer_spans
 
 __all__ = ("CudaTransferEngine",)
 
