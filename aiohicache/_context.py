@@ -88,9 +88,9 @@ class FetchContext:
     async def __aenter__(self) -> Self:
         """Match, pin and plan loads (synchronously), then queue the loads.
 
-        Cancellation: while waiting for a prefetch, nothing is pinned yet; while queueing a
-        load, the load is still launched and this context unpins before the cancellation
-        propagates.
+        Cancellation: while hashing a long prompt's L3 keys or waiting for a prefetch, nothing
+        is pinned yet; while queueing a load, the load is still launched and this context
+        unpins before the cancellation propagates.
         """
         req = self._req
         if req.entered:
@@ -99,6 +99,8 @@ class FetchContext:
         if len(req.tokens) == 0:
             raise ConfigError("tokens: must not be empty")
         req.entered = True
+        if req.core.storage is not None:
+            req.hashed = await req.core.storage.hash_pages(req.tokens)
         await req.core.run().call(req.enter_op, undo=lambda _: req.release_op())
         return self
 

@@ -62,6 +62,8 @@ class Request:
         self.num_storage_hit_tokens = 0
         self._prefetching: PrefetchJob | None = None
         self._storage_pages = self._pre_storage_pages = 0
+        self.hashed: list[bytes] | None = None
+        """L3 keys of the whole pages of `tokens`, hashed off the loop (long prompts only)."""
 
     @property
     def num_cached_tokens(self) -> int:
@@ -80,7 +82,8 @@ class Request:
         if self._prefetching is None:
             core.calls_crc = zlib.crc32(self.tokens.tobytes(), core.calls_crc)
             match = core.tree.match(self.tokens)
-            job = storage.plan_prefetch(self.tokens, match.path) if storage else None
+            job = storage.plan_prefetch(self.tokens, match.path, self.hashed) \
+                if storage else None
             if job is None:
                 return self._plan_enter(match, ctl)
             assert storage is not None
@@ -179,7 +182,7 @@ class Request:
         num_full = len(toks) // ps
         new_full = num_full - len(self.pages)
         all_pages = np.concatenate([self.pages, pages[:new_full]])
-        hashes = core.storage.keys(toks[:num_full * ps], self._path()) \
+        hashes = core.storage.keys(toks[:num_full * ps], self._path(), self.hashed) \
             if core.storage is not None else None
         # Insert before the leases end: if it raises, the pages are still leased, not lost.
         res = core.tree.insert(toks[:num_full * ps], all_pages, start_page=len(self.pages),

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from aiohicache import HiCache
-from aiohicache.controller import _l3_parts, page_format
+from aiohicache.controller import _l3_parts, _storage_tier, page_format
 from aiohicache.controller._l3_parts import _MissCache
 from aiohicache.storage.faults import FaultyBackend
 from aiohicache.storage.file import FileBackend
@@ -333,3 +333,41 @@ async def test_the_stores_byte_budget_and_use_show_in_the_caches_stats(tmp_path:
         assert st is not None and st.capacity_bytes == 1 << 20
         stored = st.backed_up_pages * cache.config.page_bytes
         assert st.used_bytes is not None and st.used_bytes >= stored > 0
+
+
+@pytest.fixture
+def hash_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Treat 16 tokens as a long prompt, whose L3 keys are hashed on a worker thread."""
+    monkeypatch.setattr(_storage_tier, "OFFLOAD_HASH_TOKENS", 16)
+
+
+@pytest.mark.usefixtures("hash_off_the_loop")
+async def test_keys_hashed_off_the_loop_are_the_keys_hashed_on_it(tmp_path: Path) -> None:
+    """A long prompt's keys come from a worker thread; the pages they name are the same ones
+    a short prompt's keys (hashed on the loop) name, so each cache serves the other's."""
+    tokens = make_tokens(24)
+    async with HiCache(make_config(storage=f"file://{tmp_path}", **L3)) as first:
+        async with first.fetch(tokens) as hit:
+            assert hit._req.hashed is not None  # hashed on the thread
+            tier = first.storage
+            assert tier is not None and hit._req.hashed == tier.keys(tokens, [])
+        original = await fill_l3(first, tokens)
+    async with HiCache(make_config(storage=f"file://{tmp_path}", **L3)) as second:
+        kv, from_l3 = await fetch_kv(second, tokens)
+        assert from_l3 == 24 and torch.equal(kv, original)
+        decoded = [*tokens, *make_tokens(8, seed=3)]  # decode past the hashed pages
+        await prefill(second, decoded)
+        await second.drain()
+        second.check_invariants()
+
+
+@pytest.mark.usefixtures("hash_off_the_loop")
+async def test_a_fetch_cancelled_while_its_keys_are_hashed_pins_nothing(tmp_path: Path) -> None:
+    async with HiCache(make_config(storage=f"file://{tmp_path}", **L3)) as cache:
+        with anyio.move_on_after(0):  # cancelled at its first wait: the hashing thread
+            async with cache.fetch(make_tokens(24)):
+                pytest.fail("entered a fetch that was cancelled")
+        cache.check_invariants()
+        assert not cache._pins
+        await fill_l3(cache, make_tokens(24))  # and the cache goes on
+        cache.check_invariants()
