@@ -168,12 +168,7 @@ async def redis_store(ctx: StoreContext) -> AsyncIterator[Store]:
         return RedisBackend(url, ctx.fmt, key_prefix=prefix)
 
     async with open_redis() as backend, Redis.from_url(url) as raw:
-        async def corrupt(key: str) -> None:
-            blob = await raw.get(prefix + key)
-            await raw.set(prefix + key, blob[:-1] + bytes([blob[-1] ^ 0xFF]))
-
-        async def put_raw(key: str, blob: bytes) -> None:
-            await raw.set(prefix + key, blob)
+        corrupt, put_raw = raw_edits(raw, prefix)
 
         async def copy_raw(src: str, dst: str) -> None:
             assert await raw.copy(prefix + src, prefix + dst, replace=True)
@@ -183,6 +178,19 @@ async def redis_store(ctx: StoreContext) -> AsyncIterator[Store]:
 
         yield Store(backend, corrupt=corrupt, put_raw=put_raw, copy_raw=copy_raw,
                     rename_raw=rename_raw, reopen=open_redis, has_capacity=False)
+
+
+def raw_edits(raw: Redis | RedisCluster, prefix: str) -> tuple[
+        Callable[[str], Awaitable[None]], Callable[[str, bytes], Awaitable[None]]]:
+    """Hooks that edit stored objects behind the backend's back: flip a payload byte, put
+    raw bytes under a key."""
+    async def corrupt(key: str) -> None:
+        blob = await raw.get(prefix + key)
+        await raw.set(prefix + key, blob[:-1] + bytes([blob[-1] ^ 0xFF]))
+
+    async def put_raw(key: str, blob: bytes) -> None:
+        await raw.set(prefix + key, blob)
+    return corrupt, put_raw
 
 
 @asynccontextmanager
@@ -198,13 +206,7 @@ async def cluster_store(ctx: StoreContext) -> AsyncIterator[Store]:
         # cluster again: a third of a second per test); COPY and RENAME refuse keys of
         # different hash slots (CROSSSLOT), so the hooks move objects with GET, SET and DEL
         raw = cast(RedisCluster, backend._client)
-
-        async def corrupt(key: str) -> None:
-            blob = await raw.get(prefix + key)
-            await raw.set(prefix + key, blob[:-1] + bytes([blob[-1] ^ 0xFF]))
-
-        async def put_raw(key: str, blob: bytes) -> None:
-            await raw.set(prefix + key, blob)
+        corrupt, put_raw = raw_edits(raw, prefix)
 
         async def copy_raw(src: str, dst: str) -> None:
             await raw.set(prefix + dst, await raw.get(prefix + src))
