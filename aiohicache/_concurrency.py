@@ -26,7 +26,7 @@ import anyio
 import anyio.lowlevel
 
 __all__ = ("Detached", "LoopBridge", "Promise", "Pulse", "Signal", "finish_then_cancel",
-           "run_in_thread", "supervise")
+           "run_in_thread", "submit_to_thread", "supervise")
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -65,11 +65,8 @@ class LoopBridge:
             log.debug("event loop closed before a thread's completion arrived")
 
 
-async def run_in_thread(executor: Executor, fn: Callable[..., T], *args: object) -> T:
-    """``fn(*args)`` on `executor`, awaited without blocking the loop.
-
-    Cancellation: only the wait ends; a call already running in the thread runs to its end.
-    """
+def submit_to_thread(executor: Executor, fn: Callable[..., T], *args: object) -> Promise[T]:
+    """Start ``fn(*args)`` on `executor` now; its result arrives over the `LoopBridge`."""
     promise: Promise[T] = Promise()
     bridge = LoopBridge()
 
@@ -82,7 +79,15 @@ async def run_in_thread(executor: Executor, fn: Callable[..., T], *args: object)
 
     future = executor.submit(fn, *args)
     future.add_done_callback(lambda f: bridge.call_soon(settle, f))
-    return await promise.wait()
+    return promise
+
+
+async def run_in_thread(executor: Executor, fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` on `executor`, awaited without blocking the loop.
+
+    Cancellation: only the wait ends; a call already running in the thread runs to its end.
+    """
+    return await submit_to_thread(executor, fn, *args).wait()
 
 
 class _Dropped(Exception):

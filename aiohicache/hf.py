@@ -16,10 +16,9 @@ Needs the ``hf`` extra (``pip install aiohicache[hf]``).
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +27,7 @@ from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from . import ConfigError, FetchContext, HiCache, KVSpec
-from ._concurrency import finish_then_cancel
+from ._concurrency import Promise, finish_then_cancel, submit_to_thread
 
 __all__ = ("HFAdapter", "PoolCache", "Prefill", "forward", "kv_spec", "layer_kv", "tiny_llama")
 
@@ -221,7 +220,7 @@ class HFAdapter:
     Args:
         model: a decoder-only ``PreTrainedModel`` in eval mode, on the cache's device.
         cache: an open `HiCache` whose spec is ``kv_spec(model.config, model.dtype)``.
-        executor: where forward passes run (default: the loop's default executor). A
+        executor: where forward passes run (default: a thread pool of the adapter's own). A
             one-thread executor runs them one at a time, as one accelerator would.
 
     Raises:
@@ -281,11 +280,7 @@ class HFAdapter:
 
     async def _run_gated(self, hit: FetchContext, link: _PoolLink, past: PoolCache,
                          new: list[int], all_logits: bool) -> torch.Tensor:
-        # NOTE: the caller's executor (`executor=`), not anyio.to_thread: which thread runs a
-        # model is the caller's choice (the serving engine passes its single compute thread,
-        # which bounds cached and uncached passes together); None is the loop's default one.
-        loop = asyncio.get_running_loop()
-        work = loop.run_in_executor(self.executor, self._forward, new, past, all_logits)
+        work = self._submit(new, past, all_logits)
         try:
             if len(link.prefix_slots):
                 for layer in range(self.cache.config.spec.num_layers):
@@ -293,11 +288,20 @@ class HFAdapter:
                     link.gates.open(layer)
             else:
                 link.gates.open_all()
-            return await asyncio.shield(work)  # a cancellation must not mark it done early
+            return await work.wait()  # a cancelled wait leaves the pass running
         except BaseException:
             link.gates.abort()  # the thread writes into our leased slots: let it stop first
-            await finish_then_cancel(asyncio.gather(work, return_exceptions=True))
+            await finish_then_cancel(work.settled())
             raise
+
+    def _submit(self, new: list[int], past: DynamicCache, all_logits: bool,
+                ) -> Promise[torch.Tensor]:
+        # NOTE: the caller's executor (`executor=`), not anyio.to_thread: which thread runs a
+        # model is the caller's choice (the serving engine passes its single compute thread,
+        # which bounds cached and uncached passes together).
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(thread_name_prefix="aiohicache-hf")
+        return submit_to_thread(self.executor, self._forward, new, past, all_logits)
 
     def _forward(self, new: list[int], past: DynamicCache, all_logits: bool) -> torch.Tensor:
         return forward(self.model, new, past, all_logits=all_logits)
@@ -308,9 +312,7 @@ class HFAdapter:
         Cancellation: the step finishes on its thread (it mutates `past`), then the
         cancellation propagates.
         """
-        loop = asyncio.get_running_loop()
-        step = loop.run_in_executor(self.executor, self._forward, [token], past, False)
-        logits = await finish_then_cancel(step)
+        logits = await finish_then_cancel(self._submit([token], past, False).wait())
         return logits[0, -1]
 
     async def commit_decoded(self, hit: FetchContext, prefill: Prefill,

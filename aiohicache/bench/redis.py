@@ -9,12 +9,13 @@ It starts its own ``redis-server`` on a free loopback port (redis-server must be
 
 from __future__ import annotations
 
-import asyncio
 import platform
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
+import anyio
 import numpy as np
 import redis
 from redis.asyncio import Redis
@@ -81,7 +82,8 @@ def run_redis_bench(quick: bool) -> str:
     """Run both sections on a private redis-server; return the report as text."""
     sizes = QUICK if quick else FULL
     with RedisServer() as server:
-        rows, lags = asyncio.run(_run(server.url(), sizes))
+        # redis-py is asyncio-only: this bench runs on asyncio
+        rows, lags = anyio.run(_run, server.url(), sizes, backend="asyncio")
     return _format(sizes, rows, lags)
 
 
@@ -96,7 +98,7 @@ async def _run(url: str, sizes: RedisSizes) -> tuple[list[SpeedRow], list[LagRow
     return rows, lags
 
 
-Op = Callable[[int], Awaitable[None]]
+Op = Callable[[int], Coroutine[Any, Any, None]]
 """One batch; the argument picks the batch's keys (one set per concurrent task)."""
 
 
@@ -172,7 +174,9 @@ class _Pair:
         return [*rows, await _idle_row(seconds / 2)]
 
     async def _lag_row(self, name: str, op: Op, seconds: float, tasks: int) -> LagRow:
-        await asyncio.gather(*(op(task) for task in range(tasks)))  # the reads need the keys
+        async with anyio.create_task_group() as tg:  # the reads need the keys
+            for task in range(tasks):
+                tg.start_soon(op, task)
         deadline = time.perf_counter() + seconds
         batches = [0] * tasks
 
@@ -183,9 +187,9 @@ class _Pair:
 
         async with LoopLagProbe() as probe:
             start = time.perf_counter()
-            async with asyncio.TaskGroup() as tg:
+            async with anyio.create_task_group() as tg:
                 for task in range(tasks):
-                    tg.create_task(flat_out(task))
+                    tg.start_soon(flat_out, task)
             wall = time.perf_counter() - start
         moved = sum(batches) * self.batch * self.page_bytes
         return LagRow(name=name, lag=probe.summary(), gbps=moved / wall / _GB)
@@ -194,7 +198,7 @@ class _Pair:
 async def _idle_row(seconds: float) -> LagRow:
     """The floor: the same probe while the loop has nothing else to do."""
     async with LoopLagProbe() as probe:
-        await asyncio.sleep(seconds)
+        await anyio.sleep(seconds)
     return LagRow(name="floor: idle loop", lag=probe.summary(), gbps=None)
 
 

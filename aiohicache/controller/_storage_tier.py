@@ -45,17 +45,17 @@ from ..errors import HiCacheError
 from ..memory import HostPool, PageIds
 from ..radix import HostState, Node, RadixTree
 from ..radix._tree import Tokens
-from ..storage import StorageBackend, chain_keys, namespace_root
+from ..storage import StorageBackend
 from ..storage.factory import backend_from_url
 from ..storage.faults import Breaker
 from ._l3_parts import (
+    PageKeys,
     PrefetchJob,
     StorageCounters,
     _Backup,
     _MissCache,
     _PageBuffers,
     page_format,
-    shard,
 )
 from ._storage_tp import TPResults
 
@@ -63,9 +63,6 @@ __all__ = ("PrefetchJob", "StorageCounters", "StorageTier", "page_format")
 
 log = logging.getLogger(__name__)
 
-OFFLOAD_HASH_TOKENS = 8192
-"""From this many tokens a request's page keys are hashed off the loop (about 0.8 ms of
-hashing on the 2-core VM; 100k tokens take 9.5 ms, which the loop would stall for)."""
 
 
 class StorageTier(TPResults):
@@ -79,12 +76,11 @@ class StorageTier(TPResults):
         """Tells the executor of news: a prefetch ended, a proposal is ready for the tick."""
         self.tree = tree
         self.host_pool = host_pool
-        ps = config.page_size
         self.fmt = page_format(config)
-        rank, size = shard(config)
-        self.root = namespace_root(namespace=config.namespace,
-                                   spec_fingerprint=config.spec.fingerprint(), page_size=ps,
-                                   layout=config.host_layout, tp_rank=rank, tp_size=size)
+        page_keys = PageKeys(config)
+        self.root = page_keys.root
+        self.keys = page_keys.keys
+        self.hash_pages = page_keys.hash_pages
         self.backend: StorageBackend = backend_from_url(config.l3.backend, self.fmt)  # type: ignore[arg-type]
         # An object passed in is the caller's to close; a store made from a URL is ours.
         self._owns_backend = isinstance(config.l3.backend, str)
@@ -110,37 +106,6 @@ class StorageTier(TPResults):
         self.agreed_now = 0.0          # TP: the tick's clock (MAX of the ranks' wall clocks)
         self.agreed_bypass = False     # TP: some rank's breaker is open
         tree.on_split.append(self._on_split)
-
-    # ------------------------------------------------------------------ keys
-
-    def keys(self, tokens: Tokens, path: list[Node],
-             hashed: list[bytes] | None = None) -> list[bytes]:
-        """Keys of every whole page of `tokens`, reusing those of the matched `path`, or all
-        of them from `hashed` (`hash_pages` of these tokens) when it covers them."""
-        if hashed is not None and len(hashed) >= len(tokens) // self.config.page_size:
-            return hashed[:len(tokens) // self.config.page_size]
-        known: list[bytes] = []
-        for node in path:
-            if node.hashes is None:
-                break
-            known.extend(node.hashes)
-        prev = known[-1] if known else self.root
-        start = len(known) * self.config.page_size
-        return known + chain_keys(prev, tokens[start:], self.config.page_size)
-
-    async def hash_pages(self, tokens: Tokens) -> list[bytes] | None:
-        """The keys of all whole pages of `tokens`, hashed on a worker thread, for a prompt
-        long enough that hashing it on the loop would stall it (~0.1 us a token); None for
-        a shorter one (`keys` then hashes what the tree does not know yet, on the loop).
-
-        Keys are a pure function of the tokens, so they stay right whatever the tree does
-        meanwhile. Cancellation: the wait ends; the thread finishes its hashing.
-        """
-        if len(tokens) < OFFLOAD_HASH_TOKENS:
-            return None
-        whole = tokens[:len(tokens) // self.config.page_size * self.config.page_size]
-        return await anyio.to_thread.run_sync(chain_keys, self.root, whole,
-                                              self.config.page_size)
 
     # ------------------------------------------------------------------ prefetch
 

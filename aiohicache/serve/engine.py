@@ -8,7 +8,6 @@ KV never holds up another's compute.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -23,7 +22,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .. import CapacityError, ConfigError, HiCache, HiCacheConfig
-from .._concurrency import finish_then_cancel
+from .._concurrency import finish_then_cancel, run_in_thread
 from ..hf import HFAdapter, forward, kv_spec
 from ..metrics import render as render_cache_metrics
 
@@ -304,9 +303,8 @@ class Engine:
 
         Cancellation: the pass finishes (it mutates `past`), then the cancellation propagates.
         """
-        loop = asyncio.get_running_loop()
         logits = await finish_then_cancel(
-            loop.run_in_executor(self._executor, forward, self.model, tokens, past))
+            run_in_thread(self._executor, forward, self.model, tokens, past))
         return logits[0, -1]
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from aiohicache import HiCache
-from aiohicache.controller import _l3_parts, _storage_tier, page_format
+from aiohicache.controller import _l3_parts, page_format
 from aiohicache.controller._l3_parts import _MissCache
 from aiohicache.storage.faults import FaultyBackend
 from aiohicache.storage.file import FileBackend
@@ -338,7 +338,7 @@ async def test_the_stores_byte_budget_and_use_show_in_the_caches_stats(tmp_path:
 @pytest.fixture
 def hash_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """Treat 16 tokens as a long prompt, whose L3 keys are hashed on a worker thread."""
-    monkeypatch.setattr(_storage_tier, "OFFLOAD_HASH_TOKENS", 16)
+    monkeypatch.setattr(_l3_parts, "OFFLOAD_HASH_TOKENS", 16)
 
 
 @pytest.mark.usefixtures("hash_off_the_loop")
