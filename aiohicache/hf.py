@@ -16,6 +16,7 @@ Needs the ``hf`` extra (``pip install aiohicache[hf]``).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -220,7 +221,7 @@ class HFAdapter:
     Args:
         model: a decoder-only ``PreTrainedModel`` in eval mode, on the cache's device.
         cache: an open `HiCache` whose spec is ``kv_spec(model.config, model.dtype)``.
-        executor: where forward passes run (default: a thread pool of the adapter's own). A
+        executor: where forward passes run (default: a thread pool all adapters share). A
             one-thread executor runs them one at a time, as one accelerator would.
 
     Raises:
@@ -299,9 +300,8 @@ class HFAdapter:
         # NOTE: the caller's executor (`executor=`), not anyio.to_thread: which thread runs a
         # model is the caller's choice (the serving engine passes its single compute thread,
         # which bounds cached and uncached passes together).
-        if self.executor is None:
-            self.executor = ThreadPoolExecutor(thread_name_prefix="aiohicache-hf")
-        return submit_to_thread(self.executor, self._forward, new, past, all_logits)
+        executor = self.executor if self.executor is not None else _shared_pool()
+        return submit_to_thread(executor, self._forward, new, past, all_logits)
 
     def _forward(self, new: list[int], past: DynamicCache, all_logits: bool) -> torch.Tensor:
         return forward(self.model, new, past, all_logits=all_logits)
@@ -341,3 +341,10 @@ class HFAdapter:
             pool.k_buffer(layer)[slots] = keys[0, :, start:len(ids)].transpose(0, 1)
             pool.v_buffer(layer)[slots] = values[0, :, start:len(ids)].transpose(0, 1)
         await hit.commit(ids, slots)
+
+
+@functools.cache
+def _shared_pool() -> ThreadPoolExecutor:
+    """Where adapters made without an executor run their passes: one pool for all of them,
+    as asyncio's default executor was (its threads end with the process)."""
+    return ThreadPoolExecutor(thread_name_prefix="aiohicache-hf")
