@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from aiohicache import CapacityError, CpuTransferEngine, FetchContext, HiCache, HiCacheConfig
-from aiohicache.controller import page_format
+from aiohicache.controller import _l3_parts, page_format
 from aiohicache.storage.faults import FaultyBackend
 from aiohicache.storage.memory import MemoryBackend
 from tests.conftest import SPEC_MHA
@@ -341,3 +341,24 @@ async def test_l3_under_concurrency_serves_right_kv_or_misses(
                 assert cache.stats().storage_hit_tokens, "L3 never served: resize the workload"
     finally:
         await faulty.aclose()  # a backend object stays the caller's to close
+
+
+@pytest.mark.parametrize("storage", ["file", "faulty"])
+async def test_l3_keys_hashed_off_the_loop_under_concurrency_serve_right_kv(
+        storage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every prompt's L3 keys hashed on a worker thread (as long prompts' are), while
+    requests, copies and faults run concurrently: every hit is still the right KV."""
+    monkeypatch.setattr(_l3_parts, "OFFLOAD_HASH_TOKENS", 1)
+    seed = SEEDS[0]
+    faulty = faulty_backend(seed)
+    url = f"file://{tmp_path}" if storage == "file" else faulty
+    cfg = config(seed, storage=url, prefetch_policy="wait_complete", **L3)
+    try:
+        async with open_cache(cfg, threads=True) as cache:
+            await run_workload(cache, seed)
+            st = cache.stats().storage
+            assert st is not None and st.backed_up_pages, st
+            if storage == "file":
+                assert cache.stats().storage_hit_tokens, "L3 never served: resize the workload"
+    finally:
+        await faulty.aclose()
