@@ -50,6 +50,7 @@ class TreeState:
         """Called as ``hook(node, "device" | "host", present)`` when a node gains or loses a
         tier (KV events; aiohicache.events). Splits move no page between tiers: not called."""
         self._num_nodes = 0
+        self._pushes = 0  # queue pushes since the entries were last counted
         device, host = (eviction, eviction) if isinstance(eviction, str) else eviction
         self.device_policy = make_policy(device, capacity=device_alloc.capacity,
                                          page_size=page_size)
@@ -165,11 +166,16 @@ class TreeState:
             return
         if self._device_candidate(node):
             self.device_policy.push(node)
+            self._pushes += 1
         if self._host_candidate(node):
             self.host_policy.push(node)
-        if (self.device_policy.num_entries + self.host_policy.num_entries
-                > 4 * self._num_nodes + 1024):
-            self._compact()
+            self._pushes += 1
+        # Counting the queues' entries costs more than a push: look every 256 pushes.
+        if self._pushes >= 256:
+            self._pushes = 0
+            if (self.device_policy.num_entries + self.host_policy.num_entries
+                    > 4 * self._num_nodes + 1024):
+                self._compact()
 
     def _compact(self) -> None:
         nodes = list(self.iter_nodes())
