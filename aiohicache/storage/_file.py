@@ -16,10 +16,9 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from functools import partial
 from typing import Final, Self, TypeVar
 
 import anyio
@@ -29,11 +28,11 @@ from .._concurrency import finish_then_cancel
 from .._validate import check_int, check_number
 from ..errors import ClosedError, ConfigError
 from . import _appender, _reader
-from ._common import BatchRunner, check_buffers, check_keys, object_size
+from ._common import RunQueue, check_buffers, check_keys, object_size
 from ._file_index import SegmentIndex
+from ._file_runs import ReadBatch, ReadRun, WriteRun
 from ._file_upkeep import _FileUpkeep
 from ._journal import Entry
-from ._reader import Outcome
 from .base import BackendStats, PageFormat
 from .errors import StorageError, StorageReadError, StorageWriteError
 
@@ -42,8 +41,6 @@ __all__ = ("FileBackend",)
 logger = logging.getLogger("aiohicache.storage.file")
 
 T = TypeVar("T")
-_RunStep = Callable[[range, Sequence[str], list[memoryview], list[bool], list[BaseException]],
-                    Awaitable[None]]
 
 _RUN_PAGES: Final = 32
 _RUN_BYTES: Final = 8 << 20
@@ -92,10 +89,10 @@ class FileBackend(_FileUpkeep):
         self.compact_dead_fraction = check_number("compact_dead_fraction",
                                                   compact_dead_fraction, low=0.0, high=1.0)
         self.refresh_interval = check_number("refresh_interval", refresh_interval, low=0.0)
-        self._maps = _reader.SegmentMaps(self.root_dir)
-        self._index = SegmentIndex(capacity_bytes, on_drop=self._maps.drop)
+        self._files = _reader.SegmentFiles(self.root_dir)
+        self._index = SegmentIndex(capacity_bytes, on_drop=self._files.drop)
         self._budget = self._index.budget
-        self._runner = BatchRunner(max_concurrency)
+        self._queue = RunQueue(max_concurrency)
         self._appender = _appender.Appender(self.root_dir, segment_bytes=segment_bytes,
                                             fsync=fsync)
         self._busy: dict[int, float] = {}
@@ -147,40 +144,42 @@ class FileBackend(_FileUpkeep):
     async def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
         """Read each key's verified payload into its buffer; True where it was filled.
 
-        Records in the page cache are checked where they lie (segments are mapped
-        read-only), others read into a staging buffer first; only a verified payload is
-        copied into the caller's buffer (on an I/O thread), so a missed buffer is never
-        written. A rejected object (bad header, size or checksum, or another key's, or cut
-        off by a segment truncated by hand) is a miss, counts in `stats().corrupt`, and is
-        deleted (unbound in a journal).
+        Records are read straight into the buffers (on the I/O threads) and checked there:
+        a buffer not reported filled may hold a rejected record's bytes. An absent key's
+        buffer is not written. A rejected object (bad header, size or checksum, or another
+        key's, or cut off by a segment truncated by hand) is a miss, counts in
+        `stats().corrupt`, and is deleted (unbound in a journal).
 
         Raises:
             StorageReadError: a segment could not be read; the buffers of the other pages
                 may have been filled.
 
         Cancellation: runs of pages not started are skipped; runs in flight (at most
-        `max_concurrency`, each a few MiB) complete, each page filling its buffer whole or
-        not at all, then the cancellation propagates. No buffer is written after the call
-        has ended.
+        `max_concurrency`, each a few MiB) complete, then the cancellation propagates;
+        only pages reported filled are usable. No buffer is written after the call has
+        ended.
         """
         views = check_buffers(self.fmt, keys, buffers)
         await self._start()
         await self._refresh_for(keys)
-        rejected: list[Entry] = []
-        moved: list[int] = []
+        batch = ReadBatch(keys, views, [False] * len(keys))
         try:
-            step = partial(self._read_run, rejected=rejected, moved=moved)
-            filled = await self._batch(keys, views, step, StorageReadError, "read")
-            if moved:  # compacted meanwhile (here or by another process): read it again
+            await self._batch(keys, batch.filled, [ReadRun(self, batch, run)
+                                             for run in self._runs(len(keys))],
+                              batch.failed, StorageReadError, "read")
+            if batch.moved:  # compacted meanwhile (here or by another process): read again
                 await self._refresh(force=True)
-                step = partial(self._read_run, rejected=rejected, moved=None)
-                again = await self._batch([keys[i] for i in moved], [views[i] for i in moved],
-                                          step, StorageReadError, "read")
-                for i, ok in zip(moved, again, strict=True):
-                    filled[i] = ok
-            return filled
+                moved = batch.moved
+                again = ReadBatch([keys[i] for i in moved], [views[i] for i in moved],
+                                  [False] * len(moved), rejected=batch.rejected, moved=None)
+                await self._batch(again.keys, again.filled, [ReadRun(self, again, run)
+                                                 for run in self._runs(len(moved))],
+                                  again.failed, StorageReadError, "read")
+                for i, ok in zip(moved, again.filled, strict=True):
+                    batch.filled[i] = ok
+            return batch.filled
         finally:
-            await finish_then_cancel(self._journal_reads(rejected))
+            await finish_then_cancel(self._journal_reads(batch.rejected))
 
     async def set_from(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
         """Store each buffer under its key (header + payload); True where it was stored.
@@ -199,9 +198,13 @@ class FileBackend(_FileUpkeep):
         views = check_buffers(self.fmt, keys, buffers)
         await self._start()
         # the first page the newest: after a restart, too, a chain is evicted from its tail
-        stamps = [self._index.stamp() for _ in keys][::-1]
-        step = partial(self._write_run, stamps=stamps)
-        stored = await self._batch(keys, views, step, StorageWriteError, "write")
+        first = self._index.stamps(len(keys))
+        stamps = list(range(first + len(keys) - 1, first - 1, -1))
+        stored = [False] * len(keys)
+        failed: list[BaseException] = []
+        runs = [WriteRun(self, run, keys, views, stamps, stored, failed)
+                for run in self._runs(len(keys))]
+        await self._batch(keys, stored, runs, failed, StorageWriteError, "write")
         await finish_then_cancel(self._maybe_compact())
         return stored
 
@@ -256,27 +259,24 @@ class FileBackend(_FileUpkeep):
             if self._executor is not None:
                 await finish_then_cancel(anyio.to_thread.run_sync(self._executor.shutdown))
         finally:
-            self._maps.close()
+            self._files.close()
 
     # ---------------------------------------------------------------------------- runs of pages
 
-    async def _batch(self, keys: Sequence[str], views: list[memoryview], step: _RunStep,
-                     error: type[StorageError], verb: str) -> list[bool]:
-        """Run `step` over runs of pages concurrently; per-key results; I/O errors raised
-        after every run has finished."""
-        done = [False] * len(keys)
-        failed: list[BaseException] = []
+    async def _batch(self, keys: Sequence[str], done: list[bool],
+                     runs: list[ReadRun] | list[WriteRun], failed: list[BaseException],
+                     error: type[StorageError], verb: str) -> None:
+        """Run `runs` on the I/O threads (their per-key results land in `done`, errors in
+        `failed`); the errors raised after every run has ended.
 
-        async def one(run: range) -> None:
-            try:
-                await step(run, keys, views, done, failed)
-            except (RuntimeError, ClosedError) as exc:  # the executor was shut down
-                failed.append(exc)
-
-        await self._runner.run(self._runs(len(keys)), one)
-        self._budget.touch_batch([key for key, ok in zip(keys, done, strict=True) if ok])
+        Cancellation: runs not started are skipped; started runs end first.
+        """
+        assert self._executor is not None
+        try:
+            await self._queue.run(self._executor, runs)
+        finally:
+            self._budget.touch_batch([k for k, ok in zip(keys, done, strict=True) if ok])
         self._raise_failed(failed, error, verb)
-        return done
 
     def _runs(self, num: int) -> list[range]:
         """Split a batch into runs of pages, one I/O-thread job each.
@@ -286,75 +286,10 @@ class FileBackend(_FileUpkeep):
         Runs are about `_RUN_BYTES` and at most `_RUN_PAGES` (the latency of a cancel), and
         a batch gets at least as many runs as there are threads.
         """
-        per = min(-(-num // self._runner.limit), _RUN_PAGES,
+        per = min(-(-num // self._queue.limit), _RUN_PAGES,
                   max(1, _RUN_BYTES // object_size(self.fmt)))
         per = max(1, per)
         return [range(lo, min(lo + per, num)) for lo in range(0, num, per)]
-
-    async def _read_run(self, run: range, keys: Sequence[str], views: list[memoryview],
-                        filled: list[bool], failed: list[BaseException], *,
-                        rejected: list[Entry], moved: list[int] | None) -> None:
-        index = self._index.entries
-        found = [i for i in run if keys[i] in index]
-        self._stats.misses += len(run) - len(found)
-        if not found:
-            return
-        entries = [index[keys[i]] for i in found]
-        outcomes = await self._in_thread(_reader.read_run, self._maps, self.fmt,
-                                         [keys[i] for i in found], entries,
-                                         [views[i] for i in found])
-        hits: list[str] = []
-        for i, entry, outcome in zip(found, entries, outcomes, strict=True):
-            if outcome is Outcome.FILLED:
-                filled[i] = True
-                hits.append(entry.key)
-            elif isinstance(outcome, OSError):
-                failed.append(outcome)
-            elif outcome is Outcome.MISSING and moved is not None:
-                moved.append(i)  # its segment is gone: compacted, or the store removed
-            else:
-                self._count_miss(entry, outcome, rejected)
-        # counted per run, not per page: the loop's share of a small page's read
-        self._budget.touch_batch(hits)
-        self._touched.update(dict.fromkeys(hits))
-        self._stats.pages_read += len(hits)
-        self._stats.bytes_read += len(hits) * self.fmt.payload_bytes
-
-    def _count_miss(self, entry: Entry, outcome: str, rejected: list[Entry]) -> None:
-        if self._index.entries.get(entry.key) == entry:  # else rewritten or moved meanwhile
-            self._index.unbind(entry.key)
-            if outcome is Outcome.CORRUPT:
-                rejected.append(self._index.tombstone(entry))
-        if outcome is Outcome.MISSING:
-            self._stats.misses += 1
-        else:
-            self._stats.corrupt += 1
-            logger.debug("storage: rejected and deleted the object of %s", entry.key)
-
-    async def _write_run(self, run: range, keys: Sequence[str], views: list[memoryview],
-                         stored: list[bool], failed: list[BaseException], *,
-                         stamps: list[int]) -> None:
-        size = object_size(self.fmt)
-        planned, deletes = self._plan_writes(run, keys, size)
-        try:
-            entries = await self._in_thread(_appender.write_run, self._appender, self.fmt,
-                                            [keys[i] for i in planned],
-                                            [views[i] for i in planned],
-                                            [stamps[i] for i in planned], deletes)
-        except OSError as exc:
-            failed += [exc] * max(1, len(planned))
-            for i in planned:  # the old records, if any, are still live
-                old = self._index.entries.get(keys[i])
-                if old is not None and keys[i] not in self._budget:
-                    self._budget.add(keys[i], old.length)
-            return
-        finally:
-            self._budget.release(size * len(planned))
-        for i, entry in zip(planned, entries, strict=True):
-            self._index.bind(entry)
-            stored[i] = True
-        self._stats.pages_written += len(entries)
-        self._stats.bytes_written += len(entries) * self.fmt.payload_bytes
 
     def _plan_writes(self, run: range, keys: Sequence[str], size: int
                      ) -> tuple[list[int], list[Entry]]:

@@ -20,7 +20,7 @@ import anyio
 from .._concurrency import finish_then_cancel, run_in_thread
 from ..errors import ClosedError
 from . import _appender, _journal
-from ._common import BatchRunner, LruBudget
+from ._common import LruBudget, RunQueue
 from ._file_index import SegmentIndex
 from ._journal import Entry
 from .base import BackendStats
@@ -44,7 +44,7 @@ class _FileUpkeep:
     refresh_interval: float
     _index: SegmentIndex
     _budget: LruBudget
-    _runner: BatchRunner
+    _queue: RunQueue
     _appender: _appender.Appender
     _busy: dict[int, float]
     _touched: dict[str, None]
@@ -71,7 +71,7 @@ class _FileUpkeep:
             if self._started:
                 return
             self._executor = self._executor or ThreadPoolExecutor(
-                self._runner.limit, thread_name_prefix="aiohicache-file")
+                self._queue.limit, thread_name_prefix="aiohicache-file")
             await finish_then_cancel(self._scan())
             self._started = True
 
@@ -169,13 +169,15 @@ class _FileUpkeep:
             return
         touched, self._touched = self._touched, {}
         index = self._index
-        entries = [index.entries[key]._replace(stamp=index.stamp())
-                   for key in _oldest_first(index.budget.sizes, touched)]
-        await self._in_thread(self._appender.log, entries)
-        for entry in entries:
-            current = index.entries.get(entry.key)
-            if current is not None and current[:5] == entry[:5]:  # still that record
-                index.entries[entry.key] = entry
+        old = list(map(index.entries.__getitem__,
+                       _oldest_first(index.budget.sizes, touched)))
+        # NOTE: the new entries are made and packed on the I/O thread: the loop's share of
+        # a read page is a lookup here and an identity check below
+        new = await self._in_thread(_log_touches, self._appender, old, index.stamps(len(old)))
+        entries = index.entries
+        for was, now in zip(old, new, strict=True):
+            if entries.get(was.key) is was:  # still that record (not moved, nor rewritten)
+                entries[was.key] = now
 
     # ---------------------------------------------------------------------------- plumbing
 
@@ -190,6 +192,15 @@ class _FileUpkeep:
         # NOTE: the store's own threads, not anyio.to_thread (10-14% slower at 64 KiB and
         # 8 MiB reads, docs/storage.md), through the package's one thread bridge
         return await run_in_thread(self._executor, fn, *args)
+
+
+def _log_touches(appender: _appender.Appender, old: list[Entry], first: int) -> list[Entry]:
+    """Journal `old` re-bound with stamps from `first` on, oldest first (on an I/O thread);
+    the new entries."""
+    new = [Entry(e.key, e.kind, e.seg_id, e.offset, e.length, first + n)
+           for n, e in enumerate(old)]
+    appender.log(new)
+    return new
 
 
 def _scan_dir(root: str) -> tuple[_journal.JournalScan, int]:

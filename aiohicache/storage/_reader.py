@@ -1,30 +1,27 @@
-"""Reading the file store: segment maps, and verified copies of records (blocking I/O only).
+"""Reading the file store: open segments, and verified reads of records (blocking I/O only).
 
-Records in the page cache are checked and copied where they lie, through a read-only map of
-their segment (one copy, as a ``read`` makes); others are read with one ``preadv`` per span
-of adjacent records into a staging buffer first, so a disk error is an `OSError`, never a
-SIGBUS through the map. Only a verified payload is copied into the caller's buffer: a missed
-buffer is never written.
+A span of adjacent records is read with ``preadv`` straight into the callers' buffers (the
+headers into a small buffer of the thread's), a chunk of about `_CHUNK_BYTES` at a time,
+and each payload is checked while the chunk is still in the CPU's cache. The kernel copies
+once, from the page cache into the buffer: no map to fault in, no staging copy, and the
+GIL is let go during the copy, so the I/O threads' copies and checks overlap.
+
+A page is reported filled only if its header and checksum match; a buffer not reported
+filled may hold the bytes of a rejected record (callers use only filled buffers).
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import mmap
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import Final
 
-import numpy as np
-
 from ._journal import Entry, segment_path
-from .base import HEADER_SIZE, PageFormat, decode_page
+from .base import HEADER_SIZE, PageFormat, checksum, checksum_stream, expected_checksum
 
-__all__ = ("Outcome", "SegmentMaps", "read_run")
+__all__ = ("Outcome", "SegmentFiles", "read_run")
 
 
 class Outcome:
@@ -34,196 +31,161 @@ class Outcome:
     MISSING: Final = "missing"
     """Its segment is gone (compacted, or the store removed)."""
     CORRUPT: Final = "corrupt"
-    """Rejected by `decode_page`: damaged, torn, of another format, or another key's (or
-    past the end of its segment: a file truncated behind the store's back)."""
+    """Rejected: damaged, torn, of another format, or another key's (or past the end of its
+    segment: a file truncated behind the store's back)."""
 
 
-@dataclass(slots=True, frozen=True)
-class _Map:
-    fd: int
-    view: memoryview
-    address: int
-    """Where the map starts in memory (0 for an empty file)."""
+class SegmentFiles:
+    """Read-only descriptors of segments, shared by the I/O threads that read records.
 
-    def resident(self, lo: int, hi: int) -> bool:
-        """Whether bytes ``[lo, hi)`` of the segment are all in the page cache (``mincore``),
-        so reading them through the map does no disk I/O."""
-        if hi > len(self.view) or not self.address:
-            return False
-        first = lo - lo % _PAGE
-        pages = -(-(hi - first) // _PAGE)
-        vec = ctypes.create_string_buffer(pages)
-        if _mincore(self.address + first, hi - first, vec) != 0:
-            return False
-        return vec.raw.find(0) < 0
-
-    def holds(self, hi: int) -> bool:
-        """Whether the file still holds ``[0, hi)``, checked just before the map is read.
-
-        NOTE: a map read past its file's end faults (SIGBUS kills the process). The store
-        never truncates a segment, but a person or a tool may: a record past the end is then
-        read with ``preadv`` (short: a counted miss) instead of through the map.
-        """
-        return hi <= len(self.view) and os.fstat(self.fd).st_size >= hi
-
-
-class SegmentMaps:
-    """Read-only maps of segments, shared by the I/O threads that read records.
-
-    NOTE: a record is checked and copied straight out of the page cache through a map: one
-    copy, as a ``read`` makes, instead of a read into a staging buffer and a second copy out
-    of it (which halved large-page reads). A map covers no more than its file's size when
-    mapped (a record past it is remapped, or torn: a miss). At most `limit` segments stay
-    mapped (least recently used dropped); a removed segment (compacted, or the store
-    removed) is dropped when a read finds it gone, so its disk space is not held.
+    NOTE: a reader gets its own duplicate of a descriptor (`open`) and closes it when done:
+    a descriptor dropped here (segment compacted, or more than `limit` open) is then never
+    closed under a read in flight, whose fd number the kernel could hand to another file.
     """
 
     def __init__(self, root: str, limit: int = 64) -> None:
         self.root = root
         self.limit = limit
         self._lock = threading.Lock()
-        self._maps: OrderedDict[int, _Map] = OrderedDict()
+        self._fds: OrderedDict[int, int] = OrderedDict()
 
-    def get(self, seg_id: int, end: int, *, check: bool) -> _Map | None:
-        """A map of segment `seg_id` covering at least ``[0, end)`` if the file holds it
-        (else as much as it holds); None if the segment is gone. With `check`, a map kept
-        from before is first checked to still name a linked file (one ``fstat``).
-
-        NOTE: the lock is held over these few system calls (never over reads of the data),
-        so no thread can close an fd another is about to ``fstat`` (a reused fd number
-        would name another file).
-        """
+    def open(self, seg_id: int) -> int | None:
+        """A new descriptor of segment `seg_id` (the caller closes it), or None if the
+        segment is gone (its file unlinked)."""
         with self._lock:
-            held = self._maps.get(seg_id)
-            if held is None:
-                return self._open(seg_id)
-            self._maps.move_to_end(seg_id)
-            if check or len(held.view) < end:
-                st = os.fstat(held.fd)
-                if st.st_nlink == 0:
-                    self._drop(seg_id)
+            fd = self._fds.get(seg_id)
+            if fd is None:
+                fd = self._open(seg_id)
+                if fd is None:
                     return None
-                if len(held.view) < end and st.st_size > len(held.view):
-                    held = self._remap(seg_id, held.fd)
-            return held
+            elif os.fstat(fd).st_nlink == 0:  # removed since it was opened
+                self._drop(seg_id)
+                return None
+            self._fds.move_to_end(seg_id)
+            return os.dup(fd)
 
     def drop(self, seg_id: int) -> None:
-        """Forget segment `seg_id`'s map (unmapped once no read uses it)."""
+        """Close segment `seg_id`'s descriptor (reads holding a duplicate go on)."""
         with self._lock:
             self._drop(seg_id)
 
     def close(self) -> None:
         with self._lock:
-            for seg_id in list(self._maps):
+            for seg_id in list(self._fds):
                 self._drop(seg_id)
 
     def _drop(self, seg_id: int) -> None:
-        held = self._maps.pop(seg_id, None)
-        if held is not None:
-            os.close(held.fd)
+        fd = self._fds.pop(seg_id, None)
+        if fd is not None:
+            os.close(fd)
 
-    def _open(self, seg_id: int) -> _Map | None:
+    def _open(self, seg_id: int) -> int | None:
         try:
             fd = os.open(segment_path(self.root, seg_id), os.O_RDONLY)
         except FileNotFoundError:
             return None
-        try:
-            if os.fstat(fd).st_nlink == 0:  # removed while we opened it
-                os.close(fd)
-                return None
-            return self._remap(seg_id, fd)
-        except BaseException:
+        if os.fstat(fd).st_nlink == 0:  # removed while we opened it
             os.close(fd)
-            raise
-
-    def _remap(self, seg_id: int, fd: int) -> _Map:
-        """Map the whole file `fd` as segment `seg_id` (the map it replaces is unmapped when
-        the reads still using it drop their views)."""
-        size = os.fstat(fd).st_size
-        # an empty file cannot be mapped: nothing in it can be read anyway
-        data: mmap.mmap | bytes = (mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
-                                             prot=mmap.PROT_READ) if size else b"")
-        view = memoryview(data)
-        held = _Map(fd, view, np.frombuffer(view, np.uint8).ctypes.data if size else 0)
-        self._maps[seg_id] = held
-        self._maps.move_to_end(seg_id)
-        while len(self._maps) > self.limit:
-            os.close(self._maps.popitem(last=False)[1].fd)
-        return held
+            return None
+        self._fds[seg_id] = fd
+        while len(self._fds) > self.limit:
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
 
 
-def _load_mincore() -> Callable[[int, int, ctypes.Array[ctypes.c_char]], int]:
-    fn = ctypes.CDLL(None, use_errno=True).mincore
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_mincore = _load_mincore()
-_PAGE: Final = mmap.PAGESIZE
-_local = threading.local()
-
-
-def read_run(maps: SegmentMaps, fmt: PageFormat, keys: Sequence[str],
+def read_run(files: SegmentFiles, fmt: PageFormat, keys: Sequence[str],
              entries: Sequence[Entry], dests: Sequence[memoryview]) -> list[str | OSError]:
-    """Verify each key's record and copy its payload into its destination only if it is
-    good, a span of adjacent records of one segment at a time.
+    """Read each key's record into its destination and check it, a span of adjacent records
+    of one segment at a time.
 
     Returns:
-        An `Outcome` constant per key, or the `OSError` reading it raised.
+        An `Outcome` constant per key (`FILLED` only for a verified payload), or the
+        `OSError` reading it raised.
     """
-    return _RunReader(maps, fmt, keys, entries, dests).read()
+    reader = _RunReader(fmt, keys, entries, dests)
+    fds: dict[int, int | None] = {}
+    try:
+        for span in _spans(entries, reader.size):
+            seg_id = entries[span[0]].seg_id
+            if seg_id not in fds:
+                fds[seg_id] = files.open(seg_id)
+            reader.read(fds[seg_id], span)
+    finally:
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
+    return reader.outcomes
 
 
 class _RunReader:
-    """One `read_run`: the outcome of each key, the maps it has looked at."""
+    """One `read_run`: the outcome of each key."""
 
-    def __init__(self, maps: SegmentMaps, fmt: PageFormat, keys: Sequence[str],
-                 entries: Sequence[Entry], dests: Sequence[memoryview]) -> None:
-        self.maps, self.fmt, self.keys, self.entries, self.dests = (maps, fmt, keys, entries,
-                                                                     dests)
+    def __init__(self, fmt: PageFormat, keys: Sequence[str], entries: Sequence[Entry],
+                 dests: Sequence[memoryview]) -> None:
+        self.fmt, self.keys, self.entries, self.dests = fmt, keys, entries, dests
         self.size = HEADER_SIZE + fmt.payload_bytes
         self.outcomes: list[str | OSError] = [Outcome.CORRUPT] * len(keys)
-        self.seen: dict[int, _Map | None] = {}
 
-    def read(self) -> list[str | OSError]:
-        for span in _spans(self.entries, self.size):
-            if self.entries[span[0]].length != self.size:
-                continue  # not one object: rejected unread (CORRUPT)
-            try:
-                self._read_span(span)
-            except (OSError, ValueError) as exc:  # ValueError: mmap refused the file
-                error = exc if isinstance(exc, OSError) else OSError(errno.EIO, str(exc))
-                for i in span:
-                    if self.outcomes[i] is Outcome.CORRUPT:
-                        self.outcomes[i] = error
-        return self.outcomes
-
-    def _read_span(self, span: list[int]) -> None:
-        first = self.entries[span[0]]
-        lo, hi = first.offset, self.entries[span[-1]].offset + self.size
-        held = self._map(first.seg_id, hi)
-        if held is None:
+    def read(self, fd: int | None, span: list[int]) -> None:
+        """Read one span from `fd` (None: its segment is gone)."""
+        if fd is None:
             for i in span:
                 self.outcomes[i] = Outcome.MISSING
             return
-        if held.resident(lo, hi) and held.holds(hi):
-            source = held.view[lo:hi]
-        else:  # one read for the span; short past the end of the file: those are misses
-            source = _staging(hi - lo)
-            source = source[:os.preadv(held.fd, [source], lo)]
-        for i in span:
-            start = self.entries[i].offset - lo
-            self.outcomes[i] = _verified_copy(self.fmt, self.keys[i],
-                                              source[start:start + self.size], self.dests[i])
+        if self.entries[span[0]].length != self.size:
+            return  # not one object: rejected unread (CORRUPT)
+        try:
+            if self.size <= _CHUNK_BYTES:
+                per = min(_CHUNK_BYTES // self.size, _MAX_IOV // 2)
+                for lo in range(0, len(span), per):
+                    if not self._read_whole(fd, span[lo:lo + per]):
+                        break  # short: the file ends here
+            else:
+                for i in span:
+                    self._read_pieces(fd, i)
+        except OSError as exc:
+            for i in span:
+                if self.outcomes[i] is Outcome.CORRUPT:
+                    self.outcomes[i] = exc
 
-    def _map(self, seg_id: int, hi: int) -> _Map | None:
-        """The segment's map, checked to be linked on its first use in this run."""
-        first_use = seg_id not in self.seen
-        held = self.seen.get(seg_id)
-        if first_use or (held is not None and len(held.view) < hi):
-            held = self.seen[seg_id] = self.maps.get(seg_id, hi, check=first_use)
-        return held
+    def _read_whole(self, fd: int, chunk: list[int]) -> bool:
+        """Records that each fit a chunk, read with one call; False if the file ended."""
+        headers = _headers(len(chunk))
+        iov: list[memoryview] = []
+        for n, i in enumerate(chunk):
+            iov += (headers[n], self.dests[i])
+        got = os.preadv(fd, iov, self.entries[chunk[0]].offset)
+        for n, i in enumerate(chunk):
+            if got < (n + 1) * self.size:
+                return False  # cut off: a miss (the outcome stays CORRUPT)
+            expected = expected_checksum(self.fmt, self.keys[i], headers[n])
+            if expected is not None and checksum(self.dests[i], expected.seed) == expected.value:
+                self.outcomes[i] = Outcome.FILLED
+        return True
+
+    def _read_pieces(self, fd: int, i: int) -> None:
+        """A record larger than a chunk, read and checked a chunk at a time."""
+        header, dest = _headers(1)[0], self.dests[i]
+        offset = self.entries[i].offset
+        first = dest[:_CHUNK_BYTES - HEADER_SIZE]
+        if os.preadv(fd, [header, first], offset) < HEADER_SIZE + len(first):
+            return
+        expected = expected_checksum(self.fmt, self.keys[i], header)
+        if expected is None:
+            return
+        stream = checksum_stream(expected.seed)
+        stream.update(first)
+        for lo, piece in _pieces(dest, len(first)):
+            if os.preadv(fd, [piece], offset + HEADER_SIZE + lo) < len(piece):
+                return
+            stream.update(piece)
+        if stream.intdigest() == expected.value:
+            self.outcomes[i] = Outcome.FILLED
+
+
+def _pieces(dest: memoryview, start: int) -> Iterator[tuple[int, memoryview]]:
+    for lo in range(start, len(dest), _CHUNK_BYTES):
+        yield lo, dest[lo:lo + _CHUNK_BYTES]
 
 
 def _spans(entries: Sequence[Entry], size: int) -> list[list[int]]:
@@ -243,30 +205,28 @@ def _spans(entries: Sequence[Entry], size: int) -> list[list[int]]:
     return spans
 
 
-def _staging(nbytes: int) -> memoryview:
-    """This thread's staging buffer, at least `nbytes` (reused: a fresh one faults per 4 KiB)."""
-    buf: memoryview | None = getattr(_local, "staging", None)
-    if buf is None or len(buf) < nbytes:
-        buf = _local.staging = memoryview(bytearray(nbytes))
-    return buf[:nbytes]
+_local = threading.local()
 
 
-def _verified_copy(fmt: PageFormat, key: str, record: memoryview, dest: memoryview) -> str:
-    payload = decode_page(fmt, key, record)
-    if payload is None:
-        return Outcome.CORRUPT
-    if len(payload) <= _COPY_WITH_GIL:
-        dest[:] = payload
-    else:  # numpy copies without the GIL: a long copy holding it would stall the loop
-        np.frombuffer(dest, np.uint8)[:] = np.frombuffer(payload, np.uint8)
-    return Outcome.FILLED
+def _headers(num: int) -> list[memoryview]:
+    """`num` header-sized views of this thread's header buffer (reused across reads)."""
+    held: list[memoryview] | None = getattr(_local, "headers", None)
+    if held is None or len(held) < num:
+        buf = memoryview(bytearray(HEADER_SIZE * max(num, _IOV_RECORDS)))
+        held = _local.headers = [buf[k:k + HEADER_SIZE] for k in range(0, len(buf), HEADER_SIZE)]
+    return held[:num]
 
 
-_COPY_WITH_GIL: Final = 256 << 10
-"""Payloads up to this size are copied holding the GIL (tens of µs at most).
+_CHUNK_BYTES: Final = 512 << 10
+"""Bytes read per call before their records are checked.
 
-NOTE: each time an I/O thread lets go of the GIL it must win it back from the loop and the
-other I/O threads; at 64 KiB a copy is shorter than that hand-off. Holding the GIL for it:
-64 KiB reads, 4 threads, 16 interleaved runs each, 34 vs 42 µs of CPU per page, 1.77 vs
-1.63 GB/s (medians).
+NOTE: the checksum of a payload the kernel has just copied reads it from the CPU's cache;
+over a read of many MiB it would read it back from memory (64 KiB pages, one thread: 2 vs
+5 µs per page). A chunk fits the L2 cache of one core.
 """
+
+_IOV_RECORDS: Final = 64
+"""Headers per thread buffer at first (more if a chunk of small records needs them)."""
+
+_MAX_IOV: Final = os.sysconf("SC_IOV_MAX")
+"""Buffers one ``preadv`` takes (1024 on Linux): two per record."""

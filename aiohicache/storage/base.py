@@ -37,10 +37,14 @@ import xxhash
 __all__ = (
     "HEADER_SIZE",
     "BackendStats",
+    "Expected",
     "PageFormat",
     "StorageBackend",
+    "checksum",
+    "checksum_stream",
     "decode_page",
     "encode_header",
+    "expected_checksum",
 )
 
 MAGIC = b"AHKV"
@@ -76,9 +80,9 @@ def _key_id(key: str) -> bytes:
     return hashlib.blake2b(key.encode("ascii"), digest_size=8).digest()
 
 
-def _checksum(payload: memoryview, key_id: bytes) -> int:
+def _seed(key_id: bytes) -> int:
     # Seeded with the key id: the payload's checksum, too, holds only under its own key.
-    return xxhash.xxh3_64_intdigest(payload, seed=int.from_bytes(key_id, "little"))
+    return int.from_bytes(key_id, "little")
 
 
 def encode_header(fmt: PageFormat, key: str, payload: memoryview | bytes) -> bytes:
@@ -89,7 +93,7 @@ def encode_header(fmt: PageFormat, key: str, payload: memoryview | bytes) -> byt
         raise ValueError(f"payload is {len(view)} bytes, the format says {fmt.payload_bytes}")
     key_id = _key_id(key)
     return _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, fmt.namespace_id, fmt.spec_id,
-                        len(view), _checksum(view, key_id), key_id)
+                        len(view), checksum(view, _seed(key_id)), key_id)
 
 
 def decode_page(fmt: PageFormat, key: str,
@@ -101,18 +105,47 @@ def decode_page(fmt: PageFormat, key: str,
     view = memoryview(blob).cast("B")
     if len(view) != HEADER_SIZE + fmt.payload_bytes:
         return None
+    payload = view[HEADER_SIZE:]
+    expected = expected_checksum(fmt, key, view)
+    if expected is None or checksum(payload, expected.seed) != expected.value:
+        return None
+    return payload
+
+
+@dataclass(slots=True, frozen=True)
+class Expected:
+    """What a payload read under a checked header must hash to (`checksum` with `seed`)."""
+
+    value: int
+    seed: int
+
+
+def expected_checksum(fmt: PageFormat, key: str, header: memoryview) -> Expected | None:
+    """The checksum the payload stored after `header` must have, if the header is one of
+    `fmt`'s objects stored under `key`; else None (a miss).
+
+    For readers that land a payload apart from its header (straight into the caller's
+    buffer): check the payload with `checksum`, or a `checksum_stream` fed piece by piece.
+    """
     # NOTE: unpacked and compared as one tuple: of the ways tried, the least CPU per page
     # (slices compared as bytes cost 0.3-0.5 µs more)
-    magic, version, hlen, ns, spec, length, checksum, key_id = _HEADER.unpack_from(view)
+    magic, version, hlen, ns, spec, length, value, key_id = _HEADER.unpack_from(header)
     expected_id = _key_id(key)
     if (magic, version, hlen, ns, spec, length, key_id) != (
             MAGIC, VERSION, HEADER_SIZE, fmt.namespace_id, fmt.spec_id, fmt.payload_bytes,
             expected_id):
         return None
-    payload = view[HEADER_SIZE:]
-    if _checksum(payload, expected_id) != checksum:
-        return None
-    return payload
+    return Expected(value, _seed(expected_id))
+
+
+def checksum(payload: memoryview | bytes, seed: int) -> int:
+    """The payload checksum of the format (xxh3-64 with the key's seed)."""
+    return xxhash.xxh3_64_intdigest(payload, seed=seed)
+
+
+def checksum_stream(seed: int) -> xxhash.xxh3_64:
+    """`checksum` fed piece by piece (``update``, then ``intdigest``): the same value."""
+    return xxhash.xxh3_64(seed=seed)
 
 
 @dataclass(slots=True)
@@ -152,14 +185,17 @@ class StorageBackend(Protocol):
     Keys are lowercase hex strings (page hashes, see `keys.py`). Buffers are writable
     (`get_into`) or readable (`set_from`) byte views of exactly `fmt.payload_bytes` each:
     host pages in page_first layout, or staging buffers. Backends write each object with
-    `encode_header` for its key and verify every object they read with `decode_page` under
-    the key it was read by; a failed check (an object moved or copied from another key
-    included) is a miss and counts in `stats().corrupt`.
-    Batches may partly succeed: results are per key.
+    `encode_header` for its key and verify every object they read under the key it was read
+    by (`decode_page`, or `expected_checksum` and `checksum` where the payload lands apart
+    from its header); a failed check (an object moved or copied from another key included)
+    is a miss and counts in `stats().corrupt`.
+    Batches may partly succeed: results are per key. Only buffers reported filled hold a
+    page: one whose object was rejected may hold its bytes (a backend may read straight into
+    the buffer, then check), and an absent key's buffer is left as it was.
 
     Cancellation: a cancelled call leaves every object either fully written or absent (no
-    torn objects: writes are atomic per object). A cancelled read may still have filled some
-    buffers, each with a whole verified page, before the cancellation surfaces; nothing is
+    torn objects: writes are atomic per object). A cancelled read may still have written some
+    buffers before the cancellation surfaces (which were verified is not reported); nothing is
     written into a buffer after the call ends. (Holding a whole batch back to copy it on the
     event loop instead costs far more loop time than it buys.)
     """

@@ -3,8 +3,8 @@
 Each test runs on every backend in `conftest.BACKENDS`, clean and wrapped in a
 `FaultyBackend`. Clean, results are exact. Faulty, only correct-or-miss is asked: a call may
 raise `StorageError` or report False, but a page reported read holds exactly the bytes that
-were written, and a buffer whose read was not reported is untouched (`Case.get` checks both
-on every read). `case.store.backend` is never faulty: tests set up and inspect through it.
+were written (`Case.get` checks it on every read). A buffer whose read was not reported is
+not used: it may hold a rejected object's bytes, but an absent key's buffer is untouched. `case.store.backend` is never faulty: tests set up and inspect through it.
 """
 
 from __future__ import annotations
@@ -69,7 +69,11 @@ async def test_exists_counts_leading_hits_and_stops_at_the_first_miss(case: Case
 
 async def test_get_of_absent_keys_misses_and_leaves_buffers_untouched(case: Case) -> None:
     keys = make_keys(4)
-    assert await case.get(keys) == [None] * 4  # Case.get checks the buffers stayed as given
+    buffers = [bytearray([SENTINEL]) * PAYLOAD for _ in keys]
+    hits = await case.guard(case.backend.get_into(keys, [memoryview(b) for b in buffers]),
+                            [False] * 4)
+    assert hits == [False] * 4
+    assert buffers == [bytearray([SENTINEL]) * PAYLOAD] * 4
     stats = case.store.backend.stats()
     assert stats.pages_read == 0
     if not case.faulty:
