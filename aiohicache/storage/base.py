@@ -37,7 +37,6 @@ import xxhash
 __all__ = (
     "HEADER_SIZE",
     "BackendStats",
-    "Expected",
     "PageFormat",
     "StorageBackend",
     "checksum",
@@ -107,22 +106,14 @@ def decode_page(fmt: PageFormat, key: str,
         return None
     payload = view[HEADER_SIZE:]
     expected = expected_checksum(fmt, key, view)
-    if expected is None or checksum(payload, expected.seed) != expected.value:
+    if expected is None or checksum(payload, expected[1]) != expected[0]:
         return None
     return payload
 
 
-@dataclass(slots=True, frozen=True)
-class Expected:
-    """What a payload read under a checked header must hash to (`checksum` with `seed`)."""
-
-    value: int
-    seed: int
-
-
-def expected_checksum(fmt: PageFormat, key: str, header: memoryview) -> Expected | None:
-    """The checksum the payload stored after `header` must have, if the header is one of
-    `fmt`'s objects stored under `key`; else None (a miss).
+def expected_checksum(fmt: PageFormat, key: str, header: memoryview) -> tuple[int, int] | None:
+    """``(value, seed)``: the `checksum` with `seed` that the payload stored after `header`
+    must have, if the header is one of `fmt`'s objects stored under `key`; else None (a miss).
 
     For readers that land a payload apart from its header (straight into the caller's
     buffer): check the payload with `checksum`, or a `checksum_stream` fed piece by piece.
@@ -135,7 +126,7 @@ def expected_checksum(fmt: PageFormat, key: str, header: memoryview) -> Expected
             MAGIC, VERSION, HEADER_SIZE, fmt.namespace_id, fmt.spec_id, fmt.payload_bytes,
             expected_id):
         return None
-    return Expected(value, _seed(expected_id))
+    return value, _seed(expected_id)
 
 
 def checksum(payload: memoryview | bytes, seed: int) -> int:
