@@ -31,7 +31,7 @@ from . import _appender, _reader
 from ._common import RunQueue, check_buffers, check_keys, object_size
 from ._file_index import SegmentIndex
 from ._file_runs import ReadBatch, ReadRun, WriteRun
-from ._file_upkeep import _FileUpkeep
+from ._file_upkeep import _TOUCH_FLUSH, _FileUpkeep
 from ._journal import Entry
 from .base import BackendStats, PageFormat
 from .errors import StorageError, StorageReadError, StorageWriteError
@@ -179,7 +179,8 @@ class FileBackend(_FileUpkeep):
                     batch.filled[i] = ok
             return batch.filled
         finally:
-            await finish_then_cancel(self._journal_reads(batch.rejected))
+            if batch.rejected or len(self._touched) >= _TOUCH_FLUSH:  # else nothing to do
+                await finish_then_cancel(self._journal_reads(batch.rejected))
 
     async def set_from(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
         """Store each buffer under its key (header + payload); True where it was stored.
