@@ -63,6 +63,24 @@ def test_foreign_ids_are_detected() -> None:
         alloc.free([-1])
 
 
+@pytest.mark.parametrize("num", [20, 100])  # past the one-by-one check; past the set check
+@pytest.mark.parametrize(("bad", "error"), [(-1, "foreign"), (-(2**40), "foreign"),
+                                            (256, "foreign"), (2**40, "foreign"),
+                                            ("free", "not allocated"), ("repeat", "twice")])
+def test_a_long_free_with_one_bad_id_raises_and_frees_nothing(num: int, bad: object,
+                                                              error: str) -> None:
+    alloc = PageAllocator(256)
+    pages = alloc.alloc(200)
+    assert pages is not None
+    alloc.free(pages[150:])  # 50 free pages to name
+    ids = pages[:num].copy()
+    ids[num // 2] = pages[160] if bad == "free" else ids[0] if bad == "repeat" else bad
+    with pytest.raises(PageError, match=error):
+        alloc.free(ids)
+    assert alloc.num_used == 150
+    assert alloc.is_used(pages[:150]).all()
+
+
 def test_repeated_id_in_one_free_is_detected() -> None:
     alloc = PageAllocator(8)
     alloc.alloc(4)

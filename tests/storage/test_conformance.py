@@ -4,7 +4,8 @@ Each test runs on every backend in `conftest.BACKENDS`, clean and wrapped in a
 `FaultyBackend`. Clean, results are exact. Faulty, only correct-or-miss is asked: a call may
 raise `StorageError` or report False, but a page reported read holds exactly the bytes that
 were written (`Case.get` checks it on every read). A buffer whose read was not reported is
-not used: it may hold a rejected object's bytes, but an absent key's buffer is untouched. `case.store.backend` is never faulty: tests set up and inspect through it.
+not used: it may hold a rejected object's bytes, but an absent key's buffer is untouched.
+`case.store.backend` is never faulty: tests set up and inspect through it.
 """
 
 from __future__ import annotations
