@@ -80,7 +80,10 @@ class ReadRun:
         else:
             hits = self._sort(outcomes)
         store = self.store
-        store._touched.update(dict.fromkeys(hits))  # the budget's order: once per batch
+        touched = store._touched  # the budget's order is touched once per batch, whole
+        for key in reversed(hits):  # last read last; a batch's first page the most recent
+            touched.pop(key, None)
+            touched[key] = None
         store._stats.pages_read += len(hits)
         store._stats.bytes_read += len(hits) * store.fmt.payload_bytes
 
