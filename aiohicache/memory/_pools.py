@@ -6,6 +6,7 @@ a ``(num_pages, page_size, *row_shape)`` view; transfers copy pages between such
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Literal
 
@@ -97,9 +98,9 @@ class DevicePool(_PagePool):
     def page_slots(self, pages: PageIds) -> np.ndarray:
         """Token slots (int64 numpy) of the given pages, in order: slot arithmetic stays on
         the host, where it costs no GPU sync."""
-        offsets = np.arange(self.page_size, dtype=np.int64)
         pages = np.asarray(pages, dtype=np.int64)
-        return (pages[:, None] * self.page_size + offsets).reshape(-1)
+        slots: np.ndarray = (pages[:, None] * self.page_size + _offsets(self.page_size))
+        return slots.reshape(-1)
 
     def index_tensor(self, values: np.ndarray) -> torch.Tensor:
         """`values` as an int64 tensor on the pool's device, without a host sync.
@@ -142,17 +143,16 @@ class DevicePool(_PagePool):
         if len(arr) == 0:
             return np.empty(0, dtype=np.int64)
         arr = arr.astype(np.int64, copy=False)
-        ps, n = self.page_size, len(arr)
-        heads = arr[::ps]
-        if heads.min() < 0 or arr.max() >= self.num_slots:
+        # NOTE: ufunc reduces and one comparison with the slots the pages would have, not
+        # `min`/`max`/`all` (their Python wrappers cost more than the arithmetic: this runs
+        # on every commit)
+        heads = arr[::self.page_size]
+        if np.minimum.reduce(heads) < 0 or np.maximum.reduce(arr) >= self.num_slots:
             raise ConfigError(f"slots: outside the device pool's {self.num_slots} slots")
-        full = n // ps
-        rows = arr[:full * ps].reshape(full, ps)
-        tail = arr[full * ps:]
-        if (heads % ps).any() or not (rows == rows[:, :1] + np.arange(ps)).all() or (
-                len(tail) and not (tail == tail[0] + np.arange(len(tail))).all()):
+        pages = heads // self.page_size
+        if np.count_nonzero(self.page_slots(pages)[:len(arr)] != arr):
             raise ConfigError("slots: must cover whole pages in order, as allocate() returns them")
-        return heads // ps
+        return pages
 
 
 class HostPool(_PagePool):
@@ -246,3 +246,11 @@ def _physical_memory() -> int | None:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, OSError, ValueError):  # no sysconf (Windows), or no such name
         return None
+
+
+@functools.cache
+def _offsets(page_size: int) -> np.ndarray:
+    """``0 .. page_size - 1`` (int64), made once per page size."""
+    offsets = np.arange(page_size, dtype=np.int64)
+    offsets.flags.writeable = False
+    return offsets

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,3 +59,23 @@ def test_a_cuda_pool_larger_than_the_gpu_names_device_pages() -> None:
     pages = total // (16 * SPEC.bytes_per_token) + 1  # more than the GPU, less than host RAM
     with pytest.raises(ConfigError, match=r"^device_pages: .* cuda"):
         DevicePool(SPEC, num_pages=pages, page_size=16, device="cuda")
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_slots_to_pages_accepts_only_whole_pages_in_order(page_size: int) -> None:
+    pool = DevicePool(KVSpec.mha(num_layers=1, num_kv_heads=1, head_dim=4, dtype="fp32"),
+                      num_pages=32, page_size=page_size)
+    pages = np.array([5, 3, 31, 0], dtype=np.int64)
+    slots = pool.page_slots(pages)
+    assert pool.slots_to_pages(slots).tolist() == [5, 3, 31, 0]
+    assert pool.slots_to_pages(torch.from_numpy(slots)).tolist() == [5, 3, 31, 0]
+    if page_size > 1:  # a trailing partial page counts as its page
+        assert pool.slots_to_pages(slots[:-1]).tolist() == [5, 3, 31, 0]
+    bad = [slots + 1, np.r_[slots, [32 * page_size]], np.r_[[-page_size] * page_size, slots]]
+    if page_size > 1:  # (with one slot per page, these are whole pages too)
+        swapped = slots.copy()
+        swapped[[0, 1]] = swapped[[1, 0]]
+        bad += [slots[1:], slots[::-1].copy(), swapped]
+    for wrong in bad:
+        with pytest.raises(ConfigError, match="^slots:"):
+            pool.slots_to_pages(wrong)
