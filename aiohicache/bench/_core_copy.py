@@ -67,9 +67,10 @@ def _copy_cases(device: DevicePool, host: HostPool, reps: int) -> Iterator[CopyR
 def _copy_case(device: DevicePool, host: HostPool, direction: Direction, pattern: Pattern,
                device_ids: PageIds, host_ids: PageIds, reps: int) -> CopyRow:
     to_device = direction == "H2D"
-    plan = CopyPlan.build(host_ids, device_ids) if to_device \
-        else CopyPlan.build(device_ids, host_ids)
     device_words, host_words = word_views(device), word_views(host)
+    row_bytes = device_words[0][0].shape[1] * device_words[0][0].element_size()
+    plan = CopyPlan.build(host_ids, device_ids, row_bytes=row_bytes) if to_device \
+        else CopyPlan.build(device_ids, host_ids, row_bytes=row_bytes)
     src, dst = device.data.view(-1), host.data.view(-1)
     if to_device:
         src, dst = dst, src

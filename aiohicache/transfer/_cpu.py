@@ -58,6 +58,9 @@ class CpuTransferEngine:
         # that the event loop needs.
         self._device_words = word_views(device_pool)
         self._host_words = word_views(host_pool)
+        rows = self._device_words[0][0]
+        self._row_bytes = rows.shape[1] * rows.element_size()
+        """Bytes of one page of one layer's K or V: what a copy moves per page id."""
         self._load = _Stream("aiohicache-load")
         self._write = _Stream("aiohicache-write")
         self._closed = False
@@ -88,13 +91,16 @@ class CpuTransferEngine:
                               to_device=to_device)
         handle = TransferHandle.for_pages(self.device_pool, len(src))
         if handle.nbytes <= self.inline_bytes and stream.pending == 0:
-            self._copy(CopyPlan.build(src, dst), to_device)  # idle stream: order is kept
+            self._copy(self._plan(src, dst), to_device)  # idle stream: order is kept
             handle.bridge.call_soon(handle._finish, None)
             return handle
         stream.pending += 1
         handle.add_done_callback(stream.retire)
         stream.executor.submit(self._run, src.copy(), dst.copy(), handle, to_device)
         return handle
+
+    def _plan(self, src: PageIds, dst: PageIds) -> CopyPlan:
+        return CopyPlan.build(src, dst, row_bytes=self._row_bytes)
 
     def _copy(self, plan: CopyPlan, to_device: bool) -> None:
         for layer in range(self.device_pool.spec.num_layers):
@@ -104,7 +110,7 @@ class CpuTransferEngine:
              to_device: bool) -> None:
         """Worker thread: plan, then copy layer by layer, reporting each layer to the loop."""
         try:
-            plan = CopyPlan.build(src, dst)
+            plan = self._plan(src, dst)
             for layer in range(self.device_pool.spec.num_layers):
                 copy_layer(self._device_words, self._host_words, plan, layer,
                            to_device=to_device)

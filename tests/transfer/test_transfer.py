@@ -85,6 +85,24 @@ def test_copy_plan_coalesces_contiguous_runs_only() -> None:
     assert scattered.runs is None
 
 
+@pytest.mark.parametrize(("row_bytes", "uses_runs"), [
+    (None, True),      # no row size given: runs of 4 pages or more
+    (256, False),      # 2 KiB per run: one gather costs less than a call per run
+    (2 << 10, True),   # 16 KiB per run
+    (32 << 10, True),  # big rows: runs of any length
+])
+def test_runs_are_used_only_where_they_average_enough_bytes(row_bytes: int | None,
+                                                            uses_runs: bool) -> None:
+    src = np.r_[np.arange(0, 8), np.arange(20, 28)]  # two runs of 8 pages
+    dst = np.arange(16)
+    plan = CopyPlan.build(src, dst, row_bytes=row_bytes)
+    assert (plan.runs is not None) == uses_runs
+    pages = torch.arange(32 * 4, dtype=torch.int64).reshape(32, 4)
+    out = torch.zeros(16, 4, dtype=torch.int64)
+    copy_pages(pages, out, plan)
+    assert torch.equal(out, pages[torch.from_numpy(src)])
+
+
 @pytest.mark.parametrize(("num_src", "num_dst", "n"), [
     (50, 40, 30),   # scattered destinations: row assignment
     (50, 40, 40),   # every destination once, shuffled: gathers into destination runs
