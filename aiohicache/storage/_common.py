@@ -4,7 +4,7 @@ threads."""
 from __future__ import annotations
 
 import re
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from functools import partial
@@ -144,40 +144,78 @@ class LruBudget:
 
 
 class RunQueue:
-    """Runs the runs of a batch on a thread pool, at most `limit` of them in flight.
+    """Runs the runs of batches on a thread pool, at most `limit` in flight over all of them.
 
     Each run is started (`Run.start`, on the loop: plan, reserve) only when a slot frees,
     its blocking call goes to the pool, and its result is taken (`Run.finish` / `Run.fail`,
-    on the loop) in a callback that starts the next run.
+    on the loop) in a callback that starts the next run. Batches waiting for a slot take
+    turns, a run each.
 
-    NOTE: no task, limiter or cancel scope per run: for small pages those cost the loop
-    more than the read itself (64 KiB pages, 32 per call: about 400 µs of loop time per
-    call with a task group and a limiter).
+    NOTE: the limit is shared, as a run reserves what it needs (a write, its budget) when it
+    starts: runs queued in the pool for other batches would hold reservations they cannot
+    use yet. And there is no task, limiter or cancel scope per run: for small pages those
+    cost the loop more than the read itself (64 KiB pages, 32 per call: about 400 µs of loop
+    time per call with a task group and a limiter).
     """
 
     def __init__(self, limit: int) -> None:
         self.limit = check_int("max_concurrency", limit, low=1)
+        self._in_flight = 0
+        self._waiting: deque[_Batch] = deque()
+        """Batches with runs not started yet, in turn order."""
 
     async def run(self, executor: Executor, runs: Iterable[Run[Any]]) -> None:
-        """Run every run of `runs`, in order, `limit` at a time.
+        """Run every run of `runs`, in order, as slots free.
 
         Raises:
-            Whatever a `finish` or `fail` raised (a bug), once every run has ended.
+            Whatever a `start`, `finish` or `fail` raised (a bug), once the batch's runs in
+            flight have ended.
 
         Cancellation: runs not started are skipped; each started run completes (its call
         and its `finish` or `fail`), then the cancellation propagates.
         """
-        batch = _Batch(executor, iter(runs), self.limit)
-        batch.launch()
+        batch = _Batch(self, executor, iter(runs))
+        self._waiting.append(batch)
+        self._pump()
         try:
             await batch.ended.wait()
         except BaseException:
-            batch.stopping = True
-            batch.launch()  # ends the batch now if nothing is in flight
+            self._stop(batch)
             await finish_then_cancel(batch.ended.wait())
             raise
         if batch.errors:
             raise batch.errors[0]
+
+    def _pump(self) -> None:
+        """Start runs while slots are free, a run from each waiting batch in turn."""
+        while self._waiting and self._in_flight < self.limit:
+            batch = self._waiting.popleft()
+            run = next(batch.pending, None)
+            if run is None:
+                batch.exhausted = True
+                batch.end_if_done()
+                continue
+            if batch.start(run):
+                self._in_flight += 1
+            if batch.stopping:
+                batch.end_if_done()
+            else:
+                self._waiting.append(batch)
+
+    def _stop(self, batch: _Batch) -> None:
+        """Start no more runs of `batch`; it ends when its runs in flight have."""
+        batch.stopping = True
+        if batch in self._waiting:
+            self._waiting.remove(batch)
+        batch.end_if_done()
+
+    def _settled(self, batch: _Batch, run: Run[Any], future: Future[Any]) -> None:
+        self._in_flight -= 1
+        batch.settle(run, future)
+        if batch.stopping:
+            self._stop(batch)
+        batch.end_if_done()
+        self._pump()
 
 
 class Run(Protocol[T]):
@@ -199,41 +237,43 @@ class Run(Protocol[T]):
 class _Batch:
     """The state of one `RunQueue.run`."""
 
-    def __init__(self, executor: Executor, pending: Iterator[Run[Any]], limit: int) -> None:
-        self.executor, self.pending, self.limit = executor, pending, limit
+    def __init__(self, queue: RunQueue, executor: Executor, pending: Iterator[Run[Any]]) -> None:
+        self.queue, self.executor, self.pending = queue, executor, pending
         self.in_flight = 0
+        self.exhausted = False
         self.stopping = False
+        """No more runs start: cancelled, or a run's `start`/`finish`/`fail` raised."""
         self.ended: Promise[None] = Promise()
         self.errors: list[BaseException] = []
         self._bridge = LoopBridge()
 
-    def launch(self) -> None:
-        """Start runs until `limit` are in flight; end the batch when none is left."""
-        while self.in_flight < self.limit and not self.stopping:
-            run = next(self.pending, None)
-            if run is None:
-                break
-            call = self._guarded(run.start)
-            if call is None:
-                continue
-            try:
-                future = self.executor.submit(call)
-            except RuntimeError as exc:  # the pool was shut down
-                self._guarded(run.fail, exc)
-                continue
-            self.in_flight += 1
-            future.add_done_callback(partial(self._bridge.call_soon, self._settle, run))
-        if not self.in_flight and not self.ended.done():
-            self.ended.set_result(None)
+    def start(self, run: Run[Any]) -> bool:
+        """Start `run`: True if its call went to the pool."""
+        call = self._guarded(run.start)
+        if call is None:
+            return False
+        try:
+            future = self.executor.submit(call)
+        except RuntimeError as exc:  # the pool was shut down
+            self._guarded(run.fail, exc)
+            return False
+        self.in_flight += 1
+        future.add_done_callback(partial(self._bridge.call_soon, self.queue._settled, self,
+                                         run))
+        return True
 
-    def _settle(self, run: Run[Any], future: Future[Any]) -> None:
+    def settle(self, run: Run[Any], future: Future[Any]) -> None:
         self.in_flight -= 1
-        exc = future.exception()
-        if exc is None:
+        if future.cancelled():  # the pool was shut down with its queue cancelled
+            self._guarded(run.fail, RuntimeError("the run was cancelled by its pool"))
+        elif (exc := future.exception()) is None:
             self._guarded(run.finish, future.result())
         else:
             self._guarded(run.fail, exc)
-        self.launch()
+
+    def end_if_done(self) -> None:
+        if (self.exhausted or self.stopping) and not self.in_flight and not self.ended.done():
+            self.ended.set_result(None)
 
     def _guarded(self, fn: Callable[..., T], *args: object) -> T | None:
         """`fn(*args)`; a bug in it is kept for `run` to raise, and stops the batch."""

@@ -84,9 +84,13 @@ class SegmentFiles:
             fd = os.open(segment_path(self.root, seg_id), os.O_RDONLY)
         except FileNotFoundError:
             return None
-        if os.fstat(fd).st_nlink == 0:  # removed while we opened it
+        try:
+            if os.fstat(fd).st_nlink == 0:  # removed while we opened it
+                os.close(fd)
+                return None
+        except BaseException:
             os.close(fd)
-            return None
+            raise
         self._fds[seg_id] = fd
         while len(self._fds) > self.limit:
             os.close(self._fds.popitem(last=False)[1])
@@ -229,5 +233,5 @@ chunks read 64 KiB pages at 16.8-17.6 µs per page, 512 KiB at 19.6-24.3, interl
 _IOV_RECORDS: Final = 64
 """Headers per thread buffer at first (more if a chunk of small records needs them)."""
 
-_MAX_IOV: Final = os.sysconf("SC_IOV_MAX")
-"""Buffers one ``preadv`` takes (1024 on Linux): two per record."""
+_MAX_IOV: Final = os.sysconf("SC_IOV_MAX") if os.sysconf("SC_IOV_MAX") > 0 else 1024
+"""Buffers one ``preadv`` takes (1024 on Linux; POSIX guarantees 16): two per record."""

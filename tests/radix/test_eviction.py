@@ -15,6 +15,7 @@ import pytest
 from aiohicache import ConfigError, HiCacheConfig
 from aiohicache.memory import PageAllocator
 from aiohicache.radix import ARC, NEVER, Belady, RadixTree
+from aiohicache.radix._node import Node
 from aiohicache.replay import Request
 from aiohicache.replay.belady import FutureUses
 from aiohicache.replay.runner import MODELS, ReplayConfig, eviction_tiers, replay
@@ -279,3 +280,35 @@ def test_arc_keeps_the_cache_invariants_under_two_tier_traffic(
     result = asyncio.run(replay(config, requests))  # checks the cache's invariants at the end
     assert result.l1_tokens + result.l2_tokens > 0
     assert make_config(eviction=eviction).eviction == eviction
+
+
+def test_trimming_long_nodes_page_by_page_keeps_key_memory_bounded() -> None:
+    # a split keeps the longer half of a key as a view, and a view keeps its buffer alive:
+    # trimming a long prompt down to a few pages must not hold the whole prompt's tokens
+    page_size, num_pages, keep = 16, 256, 2
+    tree = RadixTree(page_size=page_size, device_alloc=PageAllocator(num_pages + 8 * keep),
+                     host_alloc=PageAllocator(0))
+    rng = np.random.default_rng(0)
+    kept: list[np.ndarray] = []
+    for _ in range(8):
+        tokens = rng.integers(0, 1 << 30, num_pages * page_size)
+        pages = tree.alloc_device(num_pages)
+        assert pages is not None
+        tree.insert(tokens, pages)
+        for prefix in kept:  # the older remainders are more recent than the new prompt
+            tree.match(prefix)
+        for _ in range(num_pages - keep):
+            assert tree.evict_device(1).freed_pages == 1
+        kept.append(tokens[:keep * page_size])
+        assert tree.match(tokens[:keep * page_size]).num_device_pages == keep
+    keys = [node.key for node in _nodes(tree.root) if node is not tree.root]
+    live = sum(key.nbytes for key in keys)
+    held = sum({id(k.base if k.base is not None else k): (k.base if k.base is not None
+                                                          else k).nbytes
+                for k in keys}.values())
+    assert live == 8 * keep * page_size * 8
+    assert held <= 2 * live
+
+
+def _nodes(node: Node) -> list[Node]:
+    return [node, *(n for child in node.children.values() for n in _nodes(child))]

@@ -256,6 +256,20 @@ async def test_a_new_instance_keeps_the_lru_order_and_applies_its_budget(
         assert [await third.exists([k]) for k in keys] == [1, 0, 0, 1, 1]
 
 
+async def test_concurrent_writes_within_the_budget_all_land(tmp_path: Path) -> None:
+    # a run reserves its budget when it starts: runs of other batches waiting for a thread
+    # must not hold reservations that make a page that fits look as if it never could
+    keys = make_keys(4)
+    async with FileBackend(tmp_path, FMT, capacity_bytes=3 * OBJECT,
+                           max_concurrency=2) as backend:
+        assert await backend.set_from(keys[3:], pages(keys[3:])) == [True]
+        stored = await asyncio.gather(backend.set_from(keys[:2], pages(keys[:2])),
+                                      backend.set_from(keys[2:], pages(keys[2:])))
+        assert stored == [[True, True], [True, True]]
+        assert await backend.exists(keys[3:]) == 1  # rewritten, not deleted
+        assert await read(backend, keys[3:]) == [make_page(keys[3])]
+
+
 async def test_the_index_is_built_on_first_use_on_an_io_thread(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     scans: list[str] = []

@@ -69,6 +69,25 @@ async def test_at_most_limit_runs_are_in_flight(pool: ThreadPoolExecutor) -> Non
                                                                             "finish")])
 
 
+async def test_the_limit_holds_over_all_batches_and_they_take_turns(
+        pool: ThreadPoolExecutor) -> None:
+    log: list[str] = []
+    gate = threading.Event()
+    queue = RunQueue(2)
+    first = [Probe(log, f"a{i}", gate) for i in range(3)]
+    second = [Probe(log, f"b{i}", gate) for i in range(3)]
+    batches = [asyncio.ensure_future(queue.run(pool, first))]
+    await asyncio.to_thread(first[1].running.wait, 5)
+    batches.append(asyncio.ensure_future(queue.run(pool, second)))
+    await asyncio.sleep(0.05)
+    assert log == ["start a0", "start a1"]  # the second batch waits for a slot
+    gate.set()
+    await asyncio.gather(*batches)
+    starts = [entry for entry in log if entry.startswith("start")]
+    assert starts[2:4] in (["start a2", "start b0"], ["start b0", "start a2"])
+    assert len(starts) == 6
+
+
 async def test_a_call_that_raises_fails_its_run_only(pool: ThreadPoolExecutor) -> None:
     log: list[str] = []
     runs = [Probe(log, "0"), Probe(log, "1", error=OSError(5, "EIO")), Probe(log, "2")]
