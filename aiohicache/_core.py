@@ -40,7 +40,8 @@ class Core:
     executor: Executor | None = None
     tp: Consensus | None = None
     calls_crc: int = 0
-    """TP: CRC of every fetched token sequence, in agreed order (part of the digest)."""
+    """TP: CRC of every fetched token sequence, in agreed order (part of the digest; kept
+    only when there is a TP group to compare it with)."""
     state: Literal["new", "open", "closing", "closed"] = "new"
 
     def __post_init__(self) -> None:

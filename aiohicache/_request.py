@@ -80,7 +80,8 @@ class Request:
         core = self.core
         ctl, storage = core.check_open(), core.storage
         if self._prefetching is None:
-            core.calls_crc = zlib.crc32(self.tokens.tobytes(), core.calls_crc)
+            if core.tp is not None:  # only the TP digest reads it: not on every request
+                core.calls_crc = zlib.crc32(self.tokens.data, core.calls_crc)  # no copy
             match = core.tree.match(self.tokens)
             job = storage.plan_prefetch(self.tokens, match.path, self.hashed) \
                 if storage else None
