@@ -4,6 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+NATIVE := $(VENV)/.native
 
 .PHONY: install replay test test-gpu gpu-wheels lint check-kernels demo bench clean
 
@@ -12,11 +13,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev,cuda,serve,metrics]"
-	touch $(STAMP)
+	touch $(STAMP) $(NATIVE)
 
-install: $(STAMP)
+# The native span reader (storage/_spanread.c) is built by the install; again when it changes.
+$(NATIVE): aiohicache/storage/_spanread.c
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(NATIVE)
 
-test: $(STAMP)
+install: $(STAMP) $(NATIVE)
+
+test: $(STAMP) $(NATIVE)
 	$(BIN)/pytest -m "not gpu" -p no:cacheprovider
 
 # The CUDA engine against the CPU engine on a real GPU; fails (rather than skipping every
@@ -36,7 +42,7 @@ gpu-wheels:
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
-lint: $(STAMP)
+lint: $(STAMP) $(NATIVE)
 	$(BIN)/ruff check aiohicache tests
 	$(BIN)/mypy
 
@@ -46,13 +52,13 @@ check-kernels:
 		echo "nvcc $$f"; nvcc -std=c++17 -arch=sm_90 -cubin -o /tmp/aiohicache-$$(basename $$f).cubin $$f || exit 1; \
 	done
 
-replay: $(STAMP)
+replay: $(STAMP) $(NATIVE)
 	$(BIN)/aiohicache replay
 
-demo: $(STAMP)
+demo: $(STAMP) $(NATIVE)
 	$(BIN)/aiohicache demo
 
-bench: $(STAMP)
+bench: $(STAMP) $(NATIVE)
 	$(BIN)/aiohicache bench core
 
 clean:

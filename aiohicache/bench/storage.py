@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .._lagprobe import LoopLagProbe
+from ..storage import _native
 from ..storage.base import PageFormat
 from ..storage.file import FileBackend
 from ..storage.keys import chain_keys, namespace_root
@@ -279,6 +280,7 @@ def format_speed(sizes: StorageSizes, rows: list[SpeedRow], directory: str,
         "",
         "1. FileBackend vs one raw sequential file of the same payload bytes, same directory",
         f"   {policy}; reads hit the page cache for both",
+        f"   reads: {_reader_name()}",
         f"   {sizes.run_bytes // _MIB} MiB per run into a fresh store, {sizes.batch} pages per "
         f"call, {sizes.max_concurrency} I/O threads",
         f"   ratio: median over {sizes.reps} back-to-back pairs of raw time / backend time, "
@@ -288,6 +290,12 @@ def format_speed(sizes: StorageSizes, rows: list[SpeedRow], directory: str,
         *(_speed_line(row) for row in rows),
         "",
     ])
+
+
+def _reader_name() -> str:
+    if _native.SPAN_READER is not None:
+        return "the native span reader (storage/_spanread.c)"
+    return "in Python (the native span reader is not built, or AIOHICACHE_NATIVE=0)"
 
 
 def _speed_line(row: SpeedRow) -> str:

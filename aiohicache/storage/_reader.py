@@ -18,8 +18,17 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Final
 
+from . import _native
 from ._journal import Entry, segment_path
-from .base import HEADER_SIZE, PageFormat, checksum, checksum_stream, expected_checksum
+from .base import (
+    HEADER_SIZE,
+    PageFormat,
+    checksum,
+    checksum_stream,
+    expected_checksum,
+    fixed_header,
+    key_id,
+)
 
 __all__ = ("Outcome", "SegmentFiles", "read_run")
 
@@ -139,8 +148,10 @@ class _RunReader:
         if self.entries[span[0]].length != self.size:
             return  # not one object: rejected unread (CORRUPT)
         try:
-            if self.size <= _CHUNK_BYTES:
-                per = min(_CHUNK_BYTES // self.size, _MAX_IOV // 2)
+            if self.size <= _CHUNK_BYTES and _native.SPAN_READER is not None:
+                self._read_native(_native.SPAN_READER, fd, span)
+            elif self.size <= _CHUNK_BYTES:
+                per = _per_call(self.size)
                 for lo in range(0, len(span), per):
                     if not self._read_whole(fd, span[lo:lo + per]):
                         break  # short: the file ends here
@@ -151,6 +162,19 @@ class _RunReader:
             for i in span:
                 if self.outcomes[i] is Outcome.CORRUPT:
                     self.outcomes[i] = exc
+
+    def _read_native(self, reader: _native.SpanReader, fd: int, span: list[int]) -> None:
+        """`_read_whole` over the whole span in one native call (the GIL let go)."""
+        filled = bytearray(len(span))
+        try:
+            reader.read_checked(fd, self.entries[span[0]].offset, self.fmt.payload_bytes,
+                                _per_call(self.size), fixed_header(self.fmt),
+                                b"".join([key_id(self.keys[i]) for i in span]),
+                                [self.dests[i] for i in span], filled)
+        finally:
+            for i, ok in zip(span, filled, strict=True):
+                if ok:
+                    self.outcomes[i] = Outcome.FILLED
 
     def _read_whole(self, fd: int, chunk: list[int]) -> bool:
         """Records that each fit a chunk, read with one call; False if the file ended."""
@@ -185,6 +209,11 @@ class _RunReader:
             stream.update(piece)
         if stream.intdigest() == expected[0]:
             self.outcomes[i] = Outcome.FILLED
+
+
+def _per_call(size: int) -> int:
+    """Records of `size` bytes read per ``preadv`` (each fits a chunk)."""
+    return min(_CHUNK_BYTES // size, _MAX_IOV // 2)
 
 
 def _pieces(dest: memoryview, start: int) -> Iterator[tuple[int, memoryview]]:

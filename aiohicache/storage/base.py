@@ -44,6 +44,8 @@ __all__ = (
     "decode_page",
     "encode_header",
     "expected_checksum",
+    "fixed_header",
+    "key_id",
 )
 
 MAGIC = b"AHKV"
@@ -75,13 +77,24 @@ def _digest16(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-def _key_id(key: str) -> bytes:
+def key_id(key: str) -> bytes:
+    """The 8-byte id of `key` in its objects' headers (also the seed of their checksum)."""
     return hashlib.blake2b(key.encode("ascii"), digest_size=8).digest()
 
 
-def _seed(key_id: bytes) -> int:
+def fixed_header(fmt: PageFormat) -> bytes:
+    """The first 48 bytes of every header of `fmt` (magic .. payload length): the bytes
+    that do not depend on the key or the payload."""
+    return _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, fmt.namespace_id, fmt.spec_id,
+                        fmt.payload_bytes, 0, b"\0" * 8)[:_FIXED_BYTES]
+
+
+_FIXED_BYTES = 48
+
+
+def _seed(kid: bytes) -> int:
     # Seeded with the key id: the payload's checksum, too, holds only under its own key.
-    return int.from_bytes(key_id, "little")
+    return int.from_bytes(kid, "little")
 
 
 def encode_header(fmt: PageFormat, key: str, payload: memoryview | bytes) -> bytes:
@@ -90,9 +103,9 @@ def encode_header(fmt: PageFormat, key: str, payload: memoryview | bytes) -> byt
     view = memoryview(payload).cast("B")
     if len(view) != fmt.payload_bytes:
         raise ValueError(f"payload is {len(view)} bytes, the format says {fmt.payload_bytes}")
-    key_id = _key_id(key)
+    kid = key_id(key)
     return _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, fmt.namespace_id, fmt.spec_id,
-                        len(view), checksum(view, _seed(key_id)), key_id)
+                        len(view), checksum(view, _seed(kid)), kid)
 
 
 def decode_page(fmt: PageFormat, key: str,
@@ -120,9 +133,9 @@ def expected_checksum(fmt: PageFormat, key: str, header: memoryview) -> tuple[in
     """
     # NOTE: unpacked and compared as one tuple: of the ways tried, the least CPU per page
     # (slices compared as bytes cost 0.3-0.5 µs more)
-    magic, version, hlen, ns, spec, length, value, key_id = _HEADER.unpack_from(header)
-    expected_id = _key_id(key)
-    if (magic, version, hlen, ns, spec, length, key_id) != (
+    magic, version, hlen, ns, spec, length, value, stored_id = _HEADER.unpack_from(header)
+    expected_id = key_id(key)
+    if (magic, version, hlen, ns, spec, length, stored_id) != (
             MAGIC, VERSION, HEADER_SIZE, fmt.namespace_id, fmt.spec_id, fmt.payload_bytes,
             expected_id):
         return None

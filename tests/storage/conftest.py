@@ -36,6 +36,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
+from unittest import mock
 
 import anyio
 import numpy as np
@@ -50,6 +51,7 @@ from aiohicache.storage import (
     PageFormat,
     StorageBackend,
     StorageError,
+    _native,
     chain_keys,
     namespace_root,
 )
@@ -154,6 +156,25 @@ async def file_store(ctx: StoreContext) -> AsyncIterator[Store]:
                     rename_raw=rename_raw, reopen=open_file)
 
 
+@asynccontextmanager
+async def file_store_in_python(ctx: StoreContext) -> AsyncIterator[Store]:
+    """`file_store` reading in Python, as where the native span reader is not built."""
+    with mock.patch.object(_native, "SPAN_READER", None):
+        async with file_store(ctx) as store:
+            yield store
+
+
+@pytest.fixture(params=["native", "python"])
+def file_reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The file store's reader for the test: the native span reader (skipped where it is not
+    built, unless ``AIOHICACHE_REQUIRE_NATIVE=1``: CI), or the Python one."""
+    if request.param == "python":
+        monkeypatch.setattr(_native, "SPAN_READER", None)
+    elif _native.SPAN_READER is None and os.environ.get("AIOHICACHE_REQUIRE_NATIVE") != "1":
+        pytest.skip("the native span reader is not built here")
+    return str(request.param)
+
+
 def _record_bytes(root: Path, entry: Entry) -> bytes:
     with open(segment_path(str(root), entry.seg_id), "rb") as f:
         f.seek(entry.offset)
@@ -223,6 +244,7 @@ async def cluster_store(ctx: StoreContext) -> AsyncIterator[Store]:
 BACKENDS: list[Any] = [
     pytest.param(memory_store, id="memory"),
     pytest.param(file_store, id="file"),
+    pytest.param(file_store_in_python, id="file-python"),
     pytest.param(redis_store, id="redis"),
     pytest.param(cluster_store, id="redis-cluster"),
 ]

@@ -427,6 +427,7 @@ async def test_a_store_directory_removed_while_running_is_made_again(tmp_path: P
         assert await read(again, keys) == [make_page(k, version=1) for k in keys]
 
 
+@pytest.mark.usefixtures("file_reader")
 async def test_a_segment_truncated_by_hand_is_a_counted_miss_never_a_crash(
         tmp_path: Path) -> None:
     keys = make_keys(4)
@@ -465,19 +466,20 @@ async def test_a_failed_write_raises_and_stores_nothing_of_its_run(
         assert await backend.set_from(keys, pages(keys)) == [True] * 4
 
 
+@pytest.mark.usefixtures("file_reader")
 async def test_a_failed_read_raises_and_counts_its_pages_as_errors(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     keys = make_keys(2)
-    async with FileBackend(tmp_path, FMT) as backend:
+    async with FileBackend(tmp_path / "l3", FMT) as backend:
         await backend.set_from(keys, pages(keys))
-
-        def broken(*args: Any) -> int:
-            raise OSError(5, "Input/output error")
-
-        monkeypatch.setattr(_reader.os, "preadv", broken)
+        directory = os.open(tmp_path, os.O_RDONLY)  # reading it fails: EISDIR
+        monkeypatch.setattr(_reader.SegmentFiles, "open", lambda self, seg_id: os.dup(directory))
         buffers = [bytearray(PAYLOAD) for _ in keys]
-        with pytest.raises(StorageReadError, match="Input/output"):
-            await backend.get_into(keys, [memoryview(b) for b in buffers])
+        try:
+            with pytest.raises(StorageReadError, match="Is a directory"):
+                await backend.get_into(keys, [memoryview(b) for b in buffers])
+        finally:
+            os.close(directory)
         assert backend.stats().errors == 2
         assert backend.stats().pages_read == 0
         monkeypatch.undo()
@@ -537,6 +539,7 @@ def test_append_record_hook_is_a_foreign_writer(tmp_path: Path) -> None:
     HEADER_SIZE + 1, 100, PAYLOAD // 2, PAYLOAD - 1,  # a record read in pieces
     OBJECT, 3 * OBJECT + 7, 64 * OBJECT,  # one record per call, three, the whole span
 ])
+@pytest.mark.usefixtures("file_reader")
 async def test_spans_are_read_a_chunk_at_a_time_and_every_record_is_checked(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
     monkeypatch.setattr(_reader, "_CHUNK_BYTES", chunk)
@@ -552,6 +555,7 @@ async def test_spans_are_read_a_chunk_at_a_time_and_every_record_is_checked(
         assert backend.stats().corrupt == 2
 
 
+@pytest.mark.usefixtures("file_reader")
 async def test_a_span_of_more_records_than_one_call_takes_is_read_whole(
         tmp_path: Path) -> None:
     tiny = PageFormat.make(namespace="conformance", spec_fingerprint="tiny", page_size=1,
