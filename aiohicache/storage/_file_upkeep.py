@@ -91,7 +91,7 @@ class _FileUpkeep:
 
     async def _refresh_for(self, keys: Sequence[str]) -> None:
         """Look at the other processes' journals if a key of `keys` is not indexed."""
-        if not all(key in self._index.entries for key in keys):
+        if not all(map(self._index.entries.__contains__, keys)):  # NOTE: C-level, per key
             await self._refresh()
 
     async def _refresh(self, *, force: bool = False) -> None:
