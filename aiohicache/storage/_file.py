@@ -42,7 +42,9 @@ logger = logging.getLogger("aiohicache.storage.file")
 
 T = TypeVar("T")
 
-_RUN_PAGES: Final = 32
+_RUN_PAGES: Final = 64
+_CORES: Final = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+    os.cpu_count() or 1)
 _RUN_BYTES: Final = 8 << 20
 """About the bytes of one run. NOTE: 8 MiB, not 4: 1 MiB pages then go 7 to a run, not 3,
 and cost 250-280 µs of CPU per page read instead of 290-370 (4 interleaved runs of 256 MiB)."""
@@ -285,9 +287,12 @@ class FileBackend(_FileUpkeep):
         NOTE: a job per page costs the loop a task, a future and a thread wake-up, as much
         as reading a small page; a run of pages pays that once, and is one system call.
         Runs are about `_RUN_BYTES` and at most `_RUN_PAGES` (the latency of a cancel), and
-        a batch gets at least as many runs as there are threads.
+        a batch gets as many runs as it can have running at once: threads, but no more
+        than cores. (On 2 cores, 128 pages of 64 KiB in 4 runs of 32 over 4 threads took
+        2.9 ms a call, the third and fourth runs starting only when a core freed up; in 2
+        runs of 64, 2.3-2.5 ms.)
         """
-        per = min(-(-num // self._queue.limit), _RUN_PAGES,
+        per = min(-(-num // min(self._queue.limit, _CORES)), _RUN_PAGES,
                   max(1, _RUN_BYTES // object_size(self.fmt)))
         per = max(1, per)
         return [range(lo, min(lo + per, num)) for lo in range(0, num, per)]

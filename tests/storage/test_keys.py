@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from aiohicache import ConfigError
 from aiohicache.storage import chain_keys, namespace_root
-from aiohicache.storage._common import KEY_PATTERN
+from aiohicache.storage._common import KEY_PATTERN, check_keys
 
 IDENTITY: dict[str, Any] = {"namespace": "llama-3-8b", "spec_fingerprint": "mha-L32-8x128-bf16",
                             "page_size": 16, "layout": "page_first", "tp_rank": 0,
@@ -79,3 +80,27 @@ def test_every_identity_field_changes_the_root_and_so_every_key(field: str,
     root = namespace_root(**{**IDENTITY, field: other})
     assert root != ROOT
     assert set(chain_keys(root, tokens(64), 16)).isdisjoint(chain_keys(ROOT, tokens(64), 16))
+
+
+GOOD = "0123456789abcdef"
+
+
+@pytest.mark.parametrize("bad", [
+    "0123456789abcde",  # 15 characters
+    "0" * 129,
+    "0123456789ABCDEF",  # upper case
+    "0123456789abcdeg",
+    "01234567\n9abcdef",
+    "0123456789abcdé0",  # not ASCII
+    b"0123456789abcdef",  # not a str
+    None,
+])
+def test_check_keys_names_the_first_bad_key_of_a_batch(bad: object) -> None:
+    with pytest.raises(ConfigError, match="16-128 lowercase hex") as info:
+        check_keys([GOOD, GOOD * 8, bad, "x"])  # type: ignore[list-item]
+    assert repr(bad) in str(info.value)
+
+
+def test_check_keys_passes_valid_batches() -> None:
+    check_keys([])
+    check_keys([GOOD, GOOD * 8, "f" * 16, GOOD[::-1] * 3])
