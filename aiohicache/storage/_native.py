@@ -2,8 +2,8 @@
 
 `SPAN_READER` is None where the extension was not built (no compiler at install time, or
 a checkout run without installing), where ``AIOHICACHE_NATIVE=0`` turns it off, or where
-xxhash's ``XXH3_64bits_withSeed`` cannot be found or does not give `base.checksum`'s values;
-the file store then reads in Python (same results, more of the GIL held per page).
+xxhash's XXH3 functions cannot be found or do not give `base.checksum`'s values; the file
+store then reads in Python (same results, the GIL held for more of each page).
 """
 
 from __future__ import annotations
@@ -22,62 +22,85 @@ __all__ = ("SPAN_READER", "SpanReader")
 
 logger = logging.getLogger("aiohicache.storage.file")
 
+_XXH3: Final = ("XXH3_64bits_withSeed", "XXH3_createState", "XXH3_freeState",
+                "XXH3_64bits_reset_withSeed", "XXH3_64bits_update", "XXH3_64bits_digest")
+"""What `_spanread.bind` takes, in its order: xxhash's public XXH3-64 API."""
+
 
 @dataclass(frozen=True, slots=True)
 class SpanReader:
-    """The extension's `read_checked`, with the checksum function bound."""
+    """The extension's `read_checked` (its hash functions bound)."""
 
     call: Callable[..., None]
-    hash_address: int
 
-    def read_checked(self, fd: int, offset: int, payload: int, per_call: int, prefix: bytes,
+    def read_checked(self, fd: int, offset: int, payload: int, chunk: int, prefix: bytes,
                      key_ids: bytes, dests: Sequence[memoryview], filled: bytearray) -> None:
-        """Read ``len(dests)`` adjacent records from `offset` of `fd` into `dests`, `per_call`
-        records per ``preadv``; ``filled[i]`` becomes 1 where record i's header starts with
-        `prefix`, holds ``key_ids[8 i: 8 i + 8]`` and its payload's checksum.
+        """Read ``len(dests)`` adjacent records from `offset` of `fd` into `dests`, about
+        `chunk` bytes per ``preadv`` (a record larger than that, a chunk at a time);
+        ``filled[i]`` becomes 1 where record i's header starts with `prefix`, holds
+        ``key_ids[8 i: 8 i + 8]`` and its payload's checksum.
 
         Blocking, with the GIL released throughout. A file that ends early stops the span
         (the rest stay 0). Raises OSError if a read fails (`filled` holds what was checked).
         """
-        self.call(fd, offset, payload, per_call, prefix, key_ids, dests, filled,
-                  self.hash_address)
+        self.call(fd, offset, payload, chunk, prefix, key_ids, dests, filled)
 
 
 def _load() -> SpanReader | None:
     if os.environ.get("AIOHICACHE_NATIVE", "1") == "0":
         return None
     try:
-        from ._spanread import read_checked
+        from ._spanread import bind, read_checked
     except ImportError:
         logger.debug("storage: the native span reader is not built; reading in Python")
         return None
-    address = _hash_address()
-    if address is None:
+    addresses = _xxh3_addresses()
+    if addresses is None:
         return None
-    return SpanReader(read_checked, address)
+    bind(*addresses)
+    return SpanReader(read_checked)
 
 
-def _hash_address() -> int | None:
-    """The address of xxhash's ``XXH3_64bits_withSeed`` (public in its extension), if it
-    gives `checksum`'s values (the same function, with the ABI assumed)."""
+def _xxh3_addresses() -> list[int] | None:
+    """The addresses of `_XXH3` in xxhash's extension (public symbols there), if they give
+    `checksum`'s values, whole and piece by piece (the same functions, the ABI assumed)."""
     try:
-        extension = importlib.import_module("xxhash._xxhash").__file__
-        symbol = ctypes.CDLL(extension).XXH3_64bits_withSeed
+        library = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)
+        symbols = [getattr(library, name) for name in _XXH3]
     except (ImportError, OSError, AttributeError, TypeError) as exc:
-        logger.debug("storage: xxhash's XXH3_64bits_withSeed not found (%s)", exc)
+        logger.debug("storage: xxhash's XXH3 functions not found (%s)", exc)
         return None
-    fn = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint64)
-    address = ctypes.cast(symbol, ctypes.c_void_p).value
-    if address is None:
+    addresses = [ctypes.cast(symbol, ctypes.c_void_p).value or 0 for symbol in symbols]
+    if 0 in addresses or not _agrees(addresses):
+        logger.warning("storage: xxhash's XXH3 functions disagree with its binding; "
+                       "reading in Python")
         return None
-    probe = fn(address)
-    for size, seed in ((0, 0), (5, 7), (240, 1 << 63), (4099, 12345)):
-        data = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
-        if probe(data, size, seed) != checksum(data, seed):
-            logger.warning("storage: xxhash's XXH3_64bits_withSeed disagrees with "
-                           "xxh3_64_intdigest; reading in Python")
-            return None
-    return address
+    return addresses
+
+
+def _agrees(addresses: list[int]) -> bool:
+    u64, ptr, size = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t
+    oneshot = ctypes.CFUNCTYPE(u64, ctypes.c_char_p, size, u64)(addresses[0])
+    create = ctypes.CFUNCTYPE(ptr)(addresses[1])
+    free = ctypes.CFUNCTYPE(ctypes.c_int, ptr)(addresses[2])
+    reset = ctypes.CFUNCTYPE(ctypes.c_int, ptr, u64)(addresses[3])
+    update = ctypes.CFUNCTYPE(ctypes.c_int, ptr, ctypes.c_char_p, size)(addresses[4])
+    digest = ctypes.CFUNCTYPE(u64, ptr)(addresses[5])
+    state = create()
+    if not state:
+        return False
+    try:
+        for size_, seed in ((0, 0), (5, 7), (240, 1 << 63), (4099, 12345)):
+            data = bytes(range(256)) * (size_ // 256) + bytes(range(size_ % 256))
+            reset(state, seed)
+            for lo in range(0, size_, 1000):
+                update(state, data[lo:lo + 1000], len(data[lo:lo + 1000]))
+            want = checksum(data, seed)
+            if oneshot(data, size_, seed) != want or digest(state) != want:
+                return False
+    finally:
+        free(state)
+    return True
 
 
 SPAN_READER: Final = _load()

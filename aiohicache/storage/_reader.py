@@ -148,7 +148,7 @@ class _RunReader:
         if self.entries[span[0]].length != self.size:
             return  # not one object: rejected unread (CORRUPT)
         try:
-            if self.size <= _CHUNK_BYTES and _native.SPAN_READER is not None:
+            if _native.SPAN_READER is not None:
                 self._read_native(_native.SPAN_READER, fd, span)
             elif self.size <= _CHUNK_BYTES:
                 per = _per_call(self.size)
@@ -164,11 +164,12 @@ class _RunReader:
                     self.outcomes[i] = exc
 
     def _read_native(self, reader: _native.SpanReader, fd: int, span: list[int]) -> None:
-        """`_read_whole` over the whole span in one native call (the GIL let go)."""
+        """`_read_whole` or `_read_pieces` over the whole span in one native call (the GIL
+        let go)."""
         filled = bytearray(len(span))
         try:
             reader.read_checked(fd, self.entries[span[0]].offset, self.fmt.payload_bytes,
-                                _per_call(self.size), fixed_header(self.fmt),
+                                _CHUNK_BYTES, fixed_header(self.fmt),
                                 b"".join([key_id(self.keys[i]) for i in span]),
                                 [self.dests[i] for i in span], filled)
         finally:

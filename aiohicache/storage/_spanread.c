@@ -6,9 +6,13 @@
  * I/O threads take turns instead of copying side by side, and each turn is a GIL hand-off.
  * Here a thread takes the GIL once to enter and once to leave a span.
  *
- * The checksum is xxh3-64 from the `xxhash` package the store already uses: its address is
- * handed in by the Python side (`_reader.py`), which checks it against the package's own
- * function first. Nothing of xxhash is built here.
+ * Records that fit a chunk are read several per `preadv` (headers into a scratch buffer,
+ * payloads straight into their buffers) and checked while the chunk is in cache; a larger
+ * record is read a chunk at a time into its buffer and hashed piece by piece.
+ *
+ * The checksum is xxh3-64 from the `xxhash` package the store already uses: the addresses
+ * of its public functions are bound once (`bind`) by the Python side (`_native.py`), which
+ * checks them against the package's own binding first. Nothing of xxhash is built here.
  *
  * Layout of a record (storage/base.py): a 64-byte header, then the payload. The header's
  * first 48 bytes are fixed per format (magic .. payload length), bytes 48..55 hold the
@@ -28,7 +32,26 @@
 #define VALUE_AT 48
 #define KEY_ID_AT 56
 
-typedef uint64_t (*hash_fn)(const void *data, size_t len, uint64_t seed);
+#ifndef IOV_MAX
+#define IOV_MAX 16
+#endif
+
+/* xxhash's public API (xxhash.h), bound by address. */
+typedef uint64_t (*oneshot_fn)(const void *data, size_t len, uint64_t seed);
+typedef void *(*create_fn)(void);
+typedef int (*free_fn)(void *state);
+typedef int (*reset_fn)(void *state, uint64_t seed);
+typedef int (*update_fn)(void *state, const void *data, size_t len);
+typedef uint64_t (*digest_fn)(const void *state);
+
+static struct {
+    oneshot_fn oneshot;
+    create_fn create;
+    free_fn free;
+    reset_fn reset;
+    update_fn update;
+    digest_fn digest;
+} xxh3;
 
 static uint64_t le64(const unsigned char *p) {
     uint64_t v = 0;
@@ -39,30 +62,41 @@ static uint64_t le64(const unsigned char *p) {
 typedef struct {
     int fd;
     long long offset;
-    Py_ssize_t payload, per_call, num;
+    Py_ssize_t payload, chunk, per_call, num;
     const unsigned char *prefix, *key_ids;
     Py_buffer *dests;
     unsigned char *headers; /* per_call * HEADER_SIZE */
     struct iovec *iov;      /* per_call * 2 */
     char *outcomes;         /* 1: filled; 0: rejected or not reached */
-    hash_fn hash;
 } span_t;
 
-/* Check the `got_records` records of one call that starts at record `lo`. */
+/* Whether `header` is one of the format's and holds record i's key id. */
+static int header_ok(const span_t *s, const unsigned char *header, Py_ssize_t i) {
+    return memcmp(header, s->prefix, PREFIX_SIZE) == 0 &&
+           memcmp(header + KEY_ID_AT, s->key_ids + i * 8, 8) == 0;
+}
+
+/* Check the `count` records of one call that starts at record `lo`. */
 static void check_records(span_t *s, Py_ssize_t lo, Py_ssize_t count) {
     for (Py_ssize_t k = 0; k < count; k++) {
         const unsigned char *header = s->headers + k * HEADER_SIZE;
-        const unsigned char *key_id = s->key_ids + (lo + k) * 8;
-        if (memcmp(header, s->prefix, PREFIX_SIZE) != 0) continue;
-        if (memcmp(header + KEY_ID_AT, key_id, 8) != 0) continue;
-        uint64_t value = s->hash(s->dests[lo + k].buf, (size_t)s->payload, le64(key_id));
+        if (!header_ok(s, header, lo + k)) continue;
+        uint64_t value = xxh3.oneshot(s->dests[lo + k].buf, (size_t)s->payload,
+                                      le64(s->key_ids + (lo + k) * 8));
         if (value == le64(header + VALUE_AT)) s->outcomes[lo + k] = 1;
     }
 }
 
-/* Read and check every record; 0, or the errno of a failed read (records after it are not
- * reached). A file that ends early (a short read) stops the span without an error. */
-static int read_span(span_t *s) {
+static ssize_t preadv_retry(int fd, const struct iovec *iov, int count, off_t at) {
+    ssize_t got;
+    do {
+        got = preadv(fd, iov, count, at);
+    } while (got < 0 && errno == EINTR);
+    return got;
+}
+
+/* Records that each fit a chunk: `per_call` of them per preadv. */
+static int read_whole(span_t *s) {
     const Py_ssize_t size = HEADER_SIZE + s->payload;
     for (Py_ssize_t lo = 0; lo < s->num; lo += s->per_call) {
         Py_ssize_t count = s->num - lo < s->per_call ? s->num - lo : s->per_call;
@@ -72,16 +106,64 @@ static int read_span(span_t *s) {
             s->iov[2 * k + 1].iov_base = s->dests[lo + k].buf;
             s->iov[2 * k + 1].iov_len = (size_t)s->payload;
         }
-        ssize_t got;
-        do {
-            got = preadv(s->fd, s->iov, (int)(2 * count), (off_t)(s->offset + lo * size));
-        } while (got < 0 && errno == EINTR);
+        ssize_t got = preadv_retry(s->fd, s->iov, (int)(2 * count),
+                                   (off_t)(s->offset + lo * size));
         if (got < 0) return errno;
         Py_ssize_t whole = (Py_ssize_t)got / size;
         check_records(s, lo, whole < count ? whole : count);
         if (whole < count) return 0; /* cut off: the rest stay rejected */
     }
     return 0;
+}
+
+/* Read the rest of record i's payload after its first `done` bytes, a chunk at a time,
+ * hashing as it lands: 1 if all of it came, 0 if the file ended, -1 on an error. */
+static int read_rest(span_t *s, Py_ssize_t i, void *state, size_t done) {
+    unsigned char *dest = s->dests[i].buf;
+    off_t at = (off_t)(s->offset + i * (HEADER_SIZE + s->payload) + HEADER_SIZE);
+    while (done < (size_t)s->payload) {
+        size_t n = (size_t)s->payload - done;
+        if (n > (size_t)s->chunk) n = (size_t)s->chunk;
+        struct iovec piece = {dest + done, n};
+        ssize_t got = preadv_retry(s->fd, &piece, 1, at + (off_t)done);
+        if (got < 0) return -1;
+        if ((size_t)got < n) return 0;
+        xxh3.update(state, dest + done, n);
+        done += n;
+    }
+    return 1;
+}
+
+/* Records larger than a chunk: each read (and hashed) a chunk at a time. */
+static int read_pieces(span_t *s, void *state) {
+    const size_t first = (size_t)(s->chunk - HEADER_SIZE);
+    for (Py_ssize_t i = 0; i < s->num; i++) {
+        unsigned char *dest = s->dests[i].buf;
+        struct iovec iov[2] = {{s->headers, HEADER_SIZE}, {dest, first}};
+        off_t at = (off_t)(s->offset + i * (HEADER_SIZE + s->payload));
+        ssize_t got = preadv_retry(s->fd, iov, 2, at);
+        if (got < 0) return errno;
+        if ((size_t)got < HEADER_SIZE + first) return 0; /* cut off */
+        if (!header_ok(s, s->headers, i)) continue;
+        xxh3.reset(state, le64(s->key_ids + i * 8));
+        xxh3.update(state, dest, first);
+        int whole = read_rest(s, i, state, first);
+        if (whole < 0) return errno;
+        if (whole == 0) return 0;
+        if (xxh3.digest(state) == le64(s->headers + VALUE_AT)) s->outcomes[i] = 1;
+    }
+    return 0;
+}
+
+/* Read and check every record; 0, or the errno of a failed read (records after it are not
+ * reached). A file that ends early (a short read) stops the span without an error. */
+static int read_span(span_t *s) {
+    if (HEADER_SIZE + s->payload <= s->chunk) return read_whole(s);
+    void *state = xxh3.create();
+    if (state == NULL) return ENOMEM;
+    int err = read_pieces(s, state);
+    xxh3.free(state);
+    return err;
 }
 
 static void release_all(Py_buffer *views, Py_ssize_t n) {
@@ -111,19 +193,26 @@ static Py_buffer *take_dests(PyObject *seq, Py_ssize_t payload) {
 }
 
 static PyObject *read_checked(PyObject *module, PyObject *args) {
+    (void)module;
     span_t s = {0};
-    unsigned long long hash_address;
     Py_buffer prefix, key_ids, outcomes;
     PyObject *dests_obj;
-    if (!PyArg_ParseTuple(args, "iLnny*y*Ow*K", &s.fd, &s.offset, &s.payload, &s.per_call,
-                          &prefix, &key_ids, &dests_obj, &outcomes, &hash_address))
+    if (!PyArg_ParseTuple(args, "iLnny*y*Ow*", &s.fd, &s.offset, &s.payload, &s.chunk,
+                          &prefix, &key_ids, &dests_obj, &outcomes))
         return NULL;
     PyObject *seq = NULL, *result = NULL;
-    if (prefix.len != PREFIX_SIZE || s.payload <= 0 || s.per_call <= 0 || s.offset < 0 ||
-        hash_address == 0) {
-        PyErr_SetString(PyExc_ValueError, "read_checked: bad prefix, sizes or hash");
+    if (xxh3.oneshot == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "read_checked: bind() the hash functions first");
         goto done;
     }
+    if (prefix.len != PREFIX_SIZE || s.payload <= 0 || s.chunk <= HEADER_SIZE ||
+        s.offset < 0) {
+        PyErr_SetString(PyExc_ValueError, "read_checked: bad prefix or sizes");
+        goto done;
+    }
+    s.per_call = s.chunk / (HEADER_SIZE + s.payload);
+    if (s.per_call > IOV_MAX / 2) s.per_call = IOV_MAX / 2;
+    if (s.per_call < 1) s.per_call = 1; /* pieces: one header */
     seq = PySequence_Fast(dests_obj, "read_checked: dests must be a sequence");
     if (seq == NULL) goto done;
     s.num = PySequence_Fast_GET_SIZE(seq);
@@ -134,7 +223,6 @@ static PyObject *read_checked(PyObject *module, PyObject *args) {
     s.prefix = prefix.buf;
     s.key_ids = key_ids.buf;
     s.outcomes = outcomes.buf;
-    s.hash = (hash_fn)(uintptr_t)hash_address;
     memset(s.outcomes, 0, (size_t)s.num);
     s.dests = take_dests(seq, s.payload);
     if (s.dests == NULL) goto done;
@@ -166,10 +254,34 @@ done:
     return result;
 }
 
+static PyObject *bind(PyObject *module, PyObject *args) {
+    unsigned long long a[6];
+    (void)module;
+    if (!PyArg_ParseTuple(args, "KKKKKK", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5]))
+        return NULL;
+    for (int i = 0; i < 6; i++) {
+        if (a[i] == 0) {
+            PyErr_SetString(PyExc_ValueError, "bind: a null function");
+            return NULL;
+        }
+    }
+    xxh3.oneshot = (oneshot_fn)(uintptr_t)a[0];
+    xxh3.create = (create_fn)(uintptr_t)a[1];
+    xxh3.free = (free_fn)(uintptr_t)a[2];
+    xxh3.reset = (reset_fn)(uintptr_t)a[3];
+    xxh3.update = (update_fn)(uintptr_t)a[4];
+    xxh3.digest = (digest_fn)(uintptr_t)a[5];
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"bind", bind, METH_VARARGS,
+     "bind(oneshot, create_state, free_state, reset_with_seed, update, digest)\n"
+     "The addresses of xxhash's XXH3_64bits_withSeed, XXH3_createState, XXH3_freeState,\n"
+     "XXH3_64bits_reset_withSeed, XXH3_64bits_update and XXH3_64bits_digest."},
     {"read_checked", read_checked, METH_VARARGS,
-     "read_checked(fd, offset, payload, per_call, prefix, key_ids, dests, outcomes, hash)\n"
-     "Read adjacent records from `offset` into `dests` (per_call records per preadv) and\n"
+     "read_checked(fd, offset, payload, chunk, prefix, key_ids, dests, outcomes)\n"
+     "Read adjacent records from `offset` into `dests`, about `chunk` bytes per preadv, and\n"
      "set outcomes[i] to 1 where record i's header and checksum match. The GIL is released\n"
      "throughout. Raises OSError if a read fails (outcomes hold what was checked before)."},
     {NULL, NULL, 0, NULL},
@@ -177,7 +289,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "_spanread", "Checked reads of file-store spans, GIL released.",
-    -1, methods,
+    -1, methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__spanread(void) { return PyModule_Create(&module_def); }

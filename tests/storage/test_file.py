@@ -372,16 +372,16 @@ def test_pages_written_by_other_processes_are_served(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- cancellation
 
 async def test_cancelled_writes_leave_whole_objects_and_a_true_index(tmp_path: Path) -> None:
-    keys = make_keys(256)  # 8 runs of 32 pages, 2 at a time
+    keys = make_keys(2048)  # 32 runs of 64 pages, 2 at a time
     async with FileBackend(tmp_path, FMT, max_concurrency=2, fsync=True,
-                           capacity_bytes=1000 * OBJECT) as backend:
+                           capacity_bytes=4000 * OBJECT) as backend:
         task = asyncio.ensure_future(backend.set_from(keys, pages(keys)))
         await until(lambda: backend.stats().pages_written > 0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         written = backend.stats().pages_written
-        assert 0 < written < 256
+        assert 0 < written < 2048
         assert backend.stats().extra["used_bytes"] == written * OBJECT
         assert backend._budget.reserved_bytes == 0
     entries = latest_entries(tmp_path)

@@ -72,7 +72,10 @@ def _plain(outcome: object) -> object:
 
 @needs_native
 @pytest.mark.parametrize("seed", range(12))
-@pytest.mark.parametrize("chunk", [SIZE, 3 * SIZE + 5, 256 << 10])
+@pytest.mark.parametrize("chunk", [
+    HEADER_SIZE + 1, SIZE // 3, SIZE - 1,  # a record read in pieces
+    SIZE, 3 * SIZE + 5, 256 << 10,  # one record per call, three, the whole span
+])
 def test_native_and_python_readers_agree_on_every_record(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int, chunk: int) -> None:
     random.seed(seed)
@@ -115,13 +118,16 @@ def test_bad_buffers_raise_and_are_let_go(tmp_path: Path) -> None:
     good = bytearray(64)
     try:
         with pytest.raises(ValueError, match="buffer 1 holds 63 bytes, not 64"):
-            reader.read_checked(fd, 0, 64, 4, prefix, ids,
+            reader.read_checked(fd, 0, 64, 4096, prefix, ids,
                                 [memoryview(good), memoryview(bytearray(63))], bytearray(2))
         with pytest.raises(BufferError):  # read-only
-            reader.read_checked(fd, 0, 64, 4, prefix, ids,
+            reader.read_checked(fd, 0, 64, 4096, prefix, ids,
                                 [memoryview(good), memoryview(bytes(64))], bytearray(2))
         with pytest.raises(ValueError, match="key ids or outcomes"):
-            reader.read_checked(fd, 0, 64, 4, prefix, ids, [memoryview(good)], bytearray(2))
+            reader.read_checked(fd, 0, 64, 4096, prefix, ids, [memoryview(good)], bytearray(2))
+        with pytest.raises(ValueError, match="bad prefix or sizes"):  # a chunk below a header
+            reader.read_checked(fd, 0, 64, HEADER_SIZE, prefix, ids, [memoryview(good)] * 2,
+                                bytearray(2))
     finally:
         os.close(fd)
     good.extend(b"x")  # no buffer export left behind: it can be resized
@@ -141,6 +147,6 @@ def test_aiohicache_native_0_reads_in_python() -> None:
 
 @needs_native
 def test_a_hash_that_disagrees_with_xxhash_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _native._hash_address() is not None
+    assert _native._xxh3_addresses() is not None
     monkeypatch.setattr(_native, "checksum", lambda data, seed: 0)
-    assert _native._hash_address() is None
+    assert _native._xxh3_addresses() is None
