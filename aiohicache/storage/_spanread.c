@@ -192,48 +192,39 @@ static Py_buffer *take_dests(PyObject *seq, Py_ssize_t payload) {
     return views;
 }
 
-static PyObject *read_checked(PyObject *module, PyObject *args) {
-    (void)module;
-    span_t s = {0};
-    Py_buffer prefix, key_ids, outcomes;
-    PyObject *dests_obj;
-    if (!PyArg_ParseTuple(args, "iLnny*y*Ow*", &s.fd, &s.offset, &s.payload, &s.chunk,
-                          &prefix, &key_ids, &dests_obj, &outcomes))
-        return NULL;
-    PyObject *seq = NULL, *result = NULL;
+/* The sizes of a call, checked; -1 with an exception set if they are bad. */
+static int check_sizes(span_t *s, const Py_buffer *prefix, const Py_buffer *key_ids,
+                       const Py_buffer *outcomes) {
     if (xxh3.oneshot == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "read_checked: bind() the hash functions first");
-        goto done;
+        return -1;
     }
-    if (prefix.len != PREFIX_SIZE || s.payload <= 0 || s.chunk <= HEADER_SIZE ||
-        s.offset < 0) {
+    if (prefix->len != PREFIX_SIZE || s->payload <= 0 || s->chunk <= HEADER_SIZE ||
+        s->offset < 0) {
         PyErr_SetString(PyExc_ValueError, "read_checked: bad prefix or sizes");
-        goto done;
+        return -1;
     }
-    s.per_call = s.chunk / (HEADER_SIZE + s.payload);
-    if (s.per_call > IOV_MAX / 2) s.per_call = IOV_MAX / 2;
-    if (s.per_call < 1) s.per_call = 1; /* pieces: one header */
-    seq = PySequence_Fast(dests_obj, "read_checked: dests must be a sequence");
-    if (seq == NULL) goto done;
-    s.num = PySequence_Fast_GET_SIZE(seq);
-    if (key_ids.len != 8 * s.num || outcomes.len != s.num) {
+    if (key_ids->len != 8 * s->num || outcomes->len != s->num) {
         PyErr_SetString(PyExc_ValueError, "read_checked: key ids or outcomes do not match");
-        goto done;
+        return -1;
     }
-    s.prefix = prefix.buf;
-    s.key_ids = key_ids.buf;
-    s.outcomes = outcomes.buf;
-    memset(s.outcomes, 0, (size_t)s.num);
-    s.dests = take_dests(seq, s.payload);
-    if (s.dests == NULL) goto done;
-    s.headers = PyMem_Malloc((size_t)s.per_call * HEADER_SIZE);
-    s.iov = PyMem_Malloc((size_t)s.per_call * 2 * sizeof(struct iovec));
-    if (s.headers == NULL || s.iov == NULL) {
+    s->per_call = s->chunk / (HEADER_SIZE + s->payload);
+    if (s->per_call > IOV_MAX / 2) s->per_call = IOV_MAX / 2;
+    if (s->per_call < 1) s->per_call = 1; /* pieces: one header */
+    return 0;
+}
+
+/* Read the span with the GIL released; None, or NULL with an exception set. */
+static PyObject *run_span(span_t *s) {
+    PyObject *result = NULL;
+    s->headers = PyMem_Malloc((size_t)s->per_call * HEADER_SIZE);
+    s->iov = PyMem_Malloc((size_t)s->per_call * 2 * sizeof(struct iovec));
+    if (s->headers == NULL || s->iov == NULL) {
         PyErr_NoMemory();
     } else {
         int err;
         Py_BEGIN_ALLOW_THREADS
-        err = read_span(&s);
+        err = read_span(s);
         Py_END_ALLOW_THREADS
         if (err) {
             errno = err;
@@ -242,12 +233,37 @@ static PyObject *read_checked(PyObject *module, PyObject *args) {
             result = Py_NewRef(Py_None);
         }
     }
-    PyMem_Free(s.headers);
-    PyMem_Free(s.iov);
-    release_all(s.dests, s.num);
-    PyMem_Free(s.dests);
-done:
-    Py_XDECREF(seq);
+    PyMem_Free(s->headers);
+    PyMem_Free(s->iov);
+    return result;
+}
+
+static PyObject *read_checked(PyObject *module, PyObject *args) {
+    (void)module;
+    span_t s = {0};
+    Py_buffer prefix, key_ids, outcomes;
+    PyObject *dests_obj;
+    if (!PyArg_ParseTuple(args, "iLnny*y*Ow*", &s.fd, &s.offset, &s.payload, &s.chunk,
+                          &prefix, &key_ids, &dests_obj, &outcomes))
+        return NULL;
+    PyObject *result = NULL;
+    PyObject *seq = PySequence_Fast(dests_obj, "read_checked: dests must be a sequence");
+    if (seq != NULL) {
+        s.num = PySequence_Fast_GET_SIZE(seq);
+        if (check_sizes(&s, &prefix, &key_ids, &outcomes) == 0) {
+            s.prefix = prefix.buf;
+            s.key_ids = key_ids.buf;
+            s.outcomes = outcomes.buf;
+            memset(s.outcomes, 0, (size_t)s.num);
+            s.dests = take_dests(seq, s.payload);
+            if (s.dests != NULL) {
+                result = run_span(&s);
+                release_all(s.dests, s.num);
+                PyMem_Free(s.dests);
+            }
+        }
+        Py_DECREF(seq);
+    }
     PyBuffer_Release(&prefix);
     PyBuffer_Release(&key_ids);
     PyBuffer_Release(&outcomes);
