@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP) $(NATIVE)
 
 # The native span reader (storage/_spanread.c) is built by the install; again when it changes.
-$(NATIVE): aiohicache/storage/_spanread.c
+$(NATIVE): aiohicache/storage/_spanread.c | $(STAMP)
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(NATIVE)
 

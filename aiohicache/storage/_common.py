@@ -13,6 +13,7 @@ from typing import Any, Protocol, TypeVar
 from .._concurrency import LoopBridge, Promise, finish_then_cancel
 from .._validate import check_int
 from ..errors import ConfigError
+from ._native import first_overlap
 from .base import HEADER_SIZE, PageFormat
 
 __all__ = ("KEY_PATTERN", "LruBudget", "Run", "RunQueue", "check_buffers", "check_keys",
@@ -48,9 +49,10 @@ def check_keys(keys: Sequence[str]) -> None:
 _HEX_DIGITS = b"0123456789abcdef"
 
 
-def check_buffers(fmt: PageFormat, keys: Sequence[str],
-                  buffers: Sequence[memoryview]) -> list[memoryview]:
-    """Byte views of `buffers`, after checking there is one of `fmt.payload_bytes` per key."""
+def check_buffers(fmt: PageFormat, keys: Sequence[str], buffers: Sequence[memoryview], *,
+                  to_fill: bool = False) -> list[memoryview]:
+    """Byte views of `buffers`, after checking there is one of `fmt.payload_bytes` per key
+    (and, `to_fill`: buffers the call writes into, that no two of them overlap)."""
     check_keys(keys)
     if len(buffers) != len(keys):
         raise ConfigError(f"buffers: got {len(buffers)} for {len(keys)} keys")
@@ -60,6 +62,11 @@ def check_buffers(fmt: PageFormat, keys: Sequence[str],
         bad = next(view for view in views if len(view) != fmt.payload_bytes)
         raise ConfigError(f"buffers: each must be {fmt.payload_bytes} bytes "
                           f"(the page format), got {len(bad)}")
+    # NOTE: two keys filling one buffer would both be reported filled, the buffer holding
+    # only the second's page: a wrong-KV hit for the first
+    if to_fill and (pair := first_overlap(views)) is not None:
+        raise ConfigError(f"buffers: {pair[0]} and {pair[1]} overlap (each key needs a "
+                          f"buffer of its own)")
     return views
 
 

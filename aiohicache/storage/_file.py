@@ -161,7 +161,7 @@ class FileBackend(_FileUpkeep):
         only pages reported filled are usable. No buffer is written after the call has
         ended.
         """
-        views = check_buffers(self.fmt, keys, buffers)
+        views = check_buffers(self.fmt, keys, buffers, to_fill=True)
         await self._start()
         await self._refresh_for(keys)
         batch = ReadBatch(keys, views, [False] * len(keys))

@@ -16,9 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+import numpy as np
+
 from .base import checksum
 
-__all__ = ("SPAN_READER", "SpanReader")
+__all__ = ("SPAN_READER", "SpanReader", "first_overlap")
 
 logger = logging.getLogger("aiohicache.storage.file")
 
@@ -46,13 +48,33 @@ class SpanReader:
         self.call(fd, offset, payload, chunk, prefix, key_ids, dests, filled)
 
 
+def first_overlap(views: Sequence[memoryview]) -> tuple[int, int] | None:
+    """The first two of `views` (byte views; ``i < j``) whose bytes overlap, or None."""
+    if _first_overlap is not None:
+        return _first_overlap(views)
+    extents = sorted((_address(view), _address(view) + len(view), i)
+                     for i, view in enumerate(views) if len(view))
+    widest: tuple[int, int, int] | None = None
+    for start, end, i in extents:
+        if widest is not None and start < widest[1]:
+            return min(i, widest[2]), max(i, widest[2])
+        if widest is None or end > widest[1]:
+            widest = (start, end, i)
+    return None
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
 def _load() -> SpanReader | None:
-    if os.environ.get("AIOHICACHE_NATIVE", "1") == "0":
+    if not _ENABLED:
         return None
     try:
         from ._spanread import bind, read_checked
     except ImportError:
-        logger.debug("storage: the native span reader is not built; reading in Python")
+        logger.info("storage: the native span reader is not built; the file store reads "
+                    "in Python (slower for small pages: docs/storage.md)")
         return None
     addresses = _xxh3_addresses()
     if addresses is None:
@@ -68,7 +90,8 @@ def _xxh3_addresses() -> list[int] | None:
         library = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)
         symbols = [getattr(library, name) for name in _XXH3]
     except (ImportError, OSError, AttributeError, TypeError) as exc:
-        logger.debug("storage: xxhash's XXH3 functions not found (%s)", exc)
+        logger.info("storage: xxhash's XXH3 functions not found (%s); the file store "
+                    "reads in Python", exc)
         return None
     addresses = [ctypes.cast(symbol, ctypes.c_void_p).value or 0 for symbol in symbols]
     if 0 in addresses or not _agrees(addresses):
@@ -103,4 +126,16 @@ def _agrees(addresses: list[int]) -> bool:
     return True
 
 
+def _load_overlap() -> Callable[[Sequence[memoryview]], tuple[int, int] | None] | None:
+    if not _ENABLED:
+        return None
+    try:
+        from ._spanread import first_overlap as native
+    except ImportError:
+        return None
+    return native
+
+
+_ENABLED: Final = os.environ.get("AIOHICACHE_NATIVE", "1") != "0"
 SPAN_READER: Final = _load()
+_first_overlap: Final = _load_overlap()

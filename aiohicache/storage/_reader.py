@@ -183,7 +183,7 @@ class _RunReader:
         iov: list[memoryview] = []
         for n, i in enumerate(chunk):
             iov += (headers[n], self.dests[i])
-        got = os.preadv(fd, iov, self.entries[chunk[0]].offset)
+        got = _preadv_full(fd, iov, self.entries[chunk[0]].offset)
         for n, i in enumerate(chunk):
             if got < (n + 1) * self.size:
                 return False  # cut off: a miss (the outcome stays CORRUPT)
@@ -197,7 +197,7 @@ class _RunReader:
         header, dest = _headers(1)[0], self.dests[i]
         offset = self.entries[i].offset
         first = dest[:_CHUNK_BYTES - HEADER_SIZE]
-        if os.preadv(fd, [header, first], offset) < HEADER_SIZE + len(first):
+        if _preadv_full(fd, [header, first], offset) < HEADER_SIZE + len(first):
             return
         expected = expected_checksum(self.fmt, self.keys[i], header)
         if expected is None:
@@ -205,11 +205,32 @@ class _RunReader:
         stream = checksum_stream(expected[1])
         stream.update(first)
         for lo, piece in _pieces(dest, len(first)):
-            if os.preadv(fd, [piece], offset + HEADER_SIZE + lo) < len(piece):
+            if _preadv_full(fd, [piece], offset + HEADER_SIZE + lo) < len(piece):
                 return
             stream.update(piece)
         if stream.intdigest() == expected[0]:
             self.outcomes[i] = Outcome.FILLED
+
+
+def _preadv_full(fd: int, buffers: list[memoryview], offset: int) -> int:
+    """``os.preadv`` until every buffer is full or the file ends (a read of 0 bytes): a
+    short read that is not the end (a network file system) is read on. The bytes read."""
+    want = sum(map(len, buffers))
+    total = os.preadv(fd, buffers, offset)
+    while 0 < total < want:  # NOTE: the rare case; a local file reads whole or to its end
+        skip = total
+        rest = []
+        for buf in buffers:
+            if skip >= len(buf):
+                skip -= len(buf)
+            else:
+                rest.append(buf[skip:])
+                skip = 0
+        got = os.preadv(fd, rest, offset + total)
+        if got == 0:
+            break
+        total += got
+    return total
 
 
 def _per_call(size: int) -> int:

@@ -257,7 +257,7 @@ class RedisBackend:
         its end, then the cancellation propagates (no write lands after the call has ended).
         """
         names = self._names(keys)
-        views = check_buffers(self.fmt, keys, buffers)
+        views = check_buffers(self.fmt, keys, buffers, to_fill=True)
         check_writable(views)
         with self._translate(StorageReadError, "get"):
             blobs: list[Blob] = []

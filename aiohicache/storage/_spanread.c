@@ -24,6 +24,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
 
@@ -87,12 +88,28 @@ static void check_records(span_t *s, Py_ssize_t lo, Py_ssize_t count) {
     }
 }
 
-static ssize_t preadv_retry(int fd, const struct iovec *iov, int count, off_t at) {
-    ssize_t got;
-    do {
-        got = preadv(fd, iov, count, at);
-    } while (got < 0 && errno == EINTR);
-    return got;
+/* preadv until every byte asked for has come or the file ends (a read of 0 bytes): a
+ * short read that is not the end (a network file system, a signal) is read on. Returns
+ * the bytes read, or -1 with errno set. `iov` is consumed (changed in place). */
+static ssize_t preadv_full(int fd, struct iovec *iov, int count, off_t at) {
+    ssize_t total = 0;
+    while (count > 0) {
+        ssize_t got = preadv(fd, iov, count, at + total);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) return -1;
+        if (got == 0) break;
+        total += got;
+        while (count > 0 && (size_t)got >= iov->iov_len) { /* drop the buffers filled */
+            got -= (ssize_t)iov->iov_len;
+            iov++;
+            count--;
+        }
+        if (count > 0) { /* the rest of a buffer partly filled */
+            iov->iov_base = (char *)iov->iov_base + got;
+            iov->iov_len -= (size_t)got;
+        }
+    }
+    return total;
 }
 
 /* Records that each fit a chunk: `per_call` of them per preadv. */
@@ -106,8 +123,8 @@ static int read_whole(span_t *s) {
             s->iov[2 * k + 1].iov_base = s->dests[lo + k].buf;
             s->iov[2 * k + 1].iov_len = (size_t)s->payload;
         }
-        ssize_t got = preadv_retry(s->fd, s->iov, (int)(2 * count),
-                                   (off_t)(s->offset + lo * size));
+        ssize_t got = preadv_full(s->fd, s->iov, (int)(2 * count),
+                                  (off_t)(s->offset + lo * size));
         if (got < 0) return errno;
         Py_ssize_t whole = (Py_ssize_t)got / size;
         check_records(s, lo, whole < count ? whole : count);
@@ -125,7 +142,7 @@ static int read_rest(span_t *s, Py_ssize_t i, void *state, size_t done) {
         size_t n = (size_t)s->payload - done;
         if (n > (size_t)s->chunk) n = (size_t)s->chunk;
         struct iovec piece = {dest + done, n};
-        ssize_t got = preadv_retry(s->fd, &piece, 1, at + (off_t)done);
+        ssize_t got = preadv_full(s->fd, &piece, 1, at + (off_t)done);
         if (got < 0) return -1;
         if ((size_t)got < n) return 0;
         xxh3.update(state, dest + done, n);
@@ -141,7 +158,7 @@ static int read_pieces(span_t *s, void *state) {
         unsigned char *dest = s->dests[i].buf;
         struct iovec iov[2] = {{s->headers, HEADER_SIZE}, {dest, first}};
         off_t at = (off_t)(s->offset + i * (HEADER_SIZE + s->payload));
-        ssize_t got = preadv_retry(s->fd, iov, 2, at);
+        ssize_t got = preadv_full(s->fd, iov, 2, at);
         if (got < 0) return errno;
         if ((size_t)got < HEADER_SIZE + first) return 0; /* cut off */
         if (!header_ok(s, s->headers, i)) continue;
@@ -172,11 +189,11 @@ static void release_all(Py_buffer *views, Py_ssize_t n) {
 
 /* Take a writable, contiguous buffer of `payload` bytes from each item of `seq`. */
 static Py_buffer *take_dests(PyObject *seq, Py_ssize_t payload) {
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     Py_buffer *views = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
     if (views == NULL) return (Py_buffer *)PyErr_NoMemory();
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *item = PyTuple_GET_ITEM(seq, i);
         if (PyObject_GetBuffer(item, &views[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0 ||
             views[i].len != payload) {
             if (!PyErr_Occurred())
@@ -199,7 +216,7 @@ static int check_sizes(span_t *s, const Py_buffer *prefix, const Py_buffer *key_
         PyErr_SetString(PyExc_RuntimeError, "read_checked: bind() the hash functions first");
         return -1;
     }
-    if (prefix->len != PREFIX_SIZE || s->payload <= 0 || s->chunk <= HEADER_SIZE ||
+    if (prefix->len != PREFIX_SIZE || s->payload < 0 || s->chunk <= HEADER_SIZE ||
         s->offset < 0) {
         PyErr_SetString(PyExc_ValueError, "read_checked: bad prefix or sizes");
         return -1;
@@ -247,9 +264,11 @@ static PyObject *read_checked(PyObject *module, PyObject *args) {
                           &prefix, &key_ids, &dests_obj, &outcomes))
         return NULL;
     PyObject *result = NULL;
-    PyObject *seq = PySequence_Fast(dests_obj, "read_checked: dests must be a sequence");
+    /* NOTE: a tuple, not the caller's list: taking a buffer can run Python code (3.12's
+     * __buffer__) that could change a list under the loop over it */
+    PyObject *seq = PySequence_Tuple(dests_obj);
     if (seq != NULL) {
-        s.num = PySequence_Fast_GET_SIZE(seq);
+        s.num = PyTuple_GET_SIZE(seq);
         if (check_sizes(&s, &prefix, &key_ids, &outcomes) == 0) {
             s.prefix = prefix.buf;
             s.key_ids = key_ids.buf;
@@ -270,11 +289,69 @@ static PyObject *read_checked(PyObject *module, PyObject *args) {
     return result;
 }
 
+typedef struct {
+    uintptr_t start, end;
+    Py_ssize_t index;
+} extent_t;
+
+static int by_start(const void *a, const void *b) {
+    uintptr_t x = ((const extent_t *)a)->start, y = ((const extent_t *)b)->start;
+    return (x > y) - (x < y);
+}
+
+/* The first pair of `extents` (sorted by start) whose bytes overlap, or (-1, -1). */
+static void overlapping(const extent_t *extents, Py_ssize_t n, Py_ssize_t *i, Py_ssize_t *j) {
+    *i = *j = -1;
+    Py_ssize_t widest = 0; /* of those so far, the one that ends last */
+    for (Py_ssize_t k = 1; k < n; k++) {
+        if (extents[k].start < extents[widest].end && extents[k].end > extents[k].start) {
+            *i = extents[widest].index < extents[k].index ? extents[widest].index
+                                                         : extents[k].index;
+            *j = extents[widest].index < extents[k].index ? extents[k].index
+                                                         : extents[widest].index;
+            return;
+        }
+        if (extents[k].end > extents[widest].end) widest = k;
+    }
+}
+
+static PyObject *first_overlap(PyObject *module, PyObject *arg) {
+    (void)module;
+    PyObject *seq = PySequence_Tuple(arg);
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(seq), i, j;
+    extent_t *extents = PyMem_Calloc((size_t)(n ? n : 1), sizeof(extent_t));
+    PyObject *result = NULL;
+    if (extents == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(seq, k), &view, PyBUF_SIMPLE) < 0) goto done;
+        extents[k].start = (uintptr_t)view.buf;
+        extents[k].end = (uintptr_t)view.buf + (uintptr_t)view.len;
+        extents[k].index = k;
+        PyBuffer_Release(&view);
+    }
+    qsort(extents, (size_t)n, sizeof(extent_t), by_start);
+    overlapping(extents, n, &i, &j);
+    result = i < 0 ? Py_NewRef(Py_None) : Py_BuildValue("(nn)", i, j);
+done:
+    PyMem_Free(extents);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyObject *bind(PyObject *module, PyObject *args) {
     unsigned long long a[6];
     (void)module;
     if (!PyArg_ParseTuple(args, "KKKKKK", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5]))
         return NULL;
+    if (xxh3.oneshot != NULL) { /* spans may be running: never rebound under them */
+        PyErr_SetString(PyExc_RuntimeError, "bind: already bound");
+        return NULL;
+    }
     for (int i = 0; i < 6; i++) {
         if (a[i] == 0) {
             PyErr_SetString(PyExc_ValueError, "bind: a null function");
@@ -291,6 +368,9 @@ static PyObject *bind(PyObject *module, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
+    {"first_overlap", first_overlap, METH_O,
+     "first_overlap(buffers) -> (i, j) | None\n"
+     "The first two buffers (i < j) whose bytes overlap, or None: one sort of their extents."},
     {"bind", bind, METH_VARARGS,
      "bind(oneshot, create_state, free_state, reset_with_seed, update, digest)\n"
      "The addresses of xxhash's XXH3_64bits_withSeed, XXH3_createState, XXH3_freeState,\n"

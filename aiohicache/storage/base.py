@@ -188,7 +188,8 @@ class StorageBackend(Protocol):
 
     Keys are lowercase hex strings (page hashes, see `keys.py`). Buffers are writable
     (`get_into`) or readable (`set_from`) byte views of exactly `fmt.payload_bytes` each:
-    host pages in page_first layout, or staging buffers. Backends write each object with
+    host pages in page_first layout, or staging buffers. The buffers of one `get_into` must
+    not overlap (`ConfigError`: two keys filling one buffer would both be reported filled). Backends write each object with
     `encode_header` for its key and verify every object they read under the key it was read
     by (`decode_page`, or `expected_checksum` and `checksum` where the payload lands apart
     from its header); a failed check (an object moved or copied from another key included)
@@ -211,7 +212,11 @@ class StorageBackend(Protocol):
         ...
 
     async def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
-        """Read each key's verified payload into its buffer; True where it was filled."""
+        """Read each key's verified payload into its buffer; True where it was filled.
+
+        Raises:
+            ConfigError: a bad key, a buffer of the wrong size, or two buffers overlapping.
+        """
         ...
 
     async def set_from(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:

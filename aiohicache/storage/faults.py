@@ -126,7 +126,7 @@ class FaultyBackend:
         Cancellation: reads in flight are cancelled (the inner backend decides what that
         means); no buffer is written (payloads are copied only after the last read).
         """
-        views = check_buffers(self.fmt, keys, buffers)
+        views = check_buffers(self.fmt, keys, buffers, to_fill=True)
         plan = self._plan(len(keys), per_key=True, read=True)
         scratch = [memoryview(bytearray(view.nbytes)) for view in views]
         hits = await self._call(plan, StorageReadError, partial(

@@ -74,7 +74,7 @@ class MemoryBackend:
         written.
         """
         self._check_open()
-        views = check_buffers(self.fmt, keys, buffers)
+        views = check_buffers(self.fmt, keys, buffers, to_fill=True)
         await anyio.lowlevel.checkpoint()
         hits = [self._get_one(key, view) for key, view in zip(keys, views, strict=True)]
         self._budget.touch_batch([key for key, hit in zip(keys, hits, strict=True) if hit])

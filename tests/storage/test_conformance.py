@@ -384,6 +384,21 @@ async def test_buffers_must_match_keys_and_page_size(case: Case) -> None:
                 await call(keys, buffers)
 
 
+async def test_buffers_to_fill_must_not_overlap(case: Case) -> None:
+    keys = make_keys(3)
+    await case.set(keys, [make_page(k) for k in keys], via=case.store.backend)
+    block = bytearray(3 * PAYLOAD)
+    whole = memoryview(block)
+    for overlapping in ([whole[:PAYLOAD], whole[PAYLOAD:2 * PAYLOAD], whole[:PAYLOAD]],
+                        [whole[:PAYLOAD], whole[PAYLOAD:2 * PAYLOAD], whole[1:PAYLOAD + 1]]):
+        with pytest.raises(ConfigError, match="buffers: 0 and 2 overlap"):
+            await case.backend.get_into(keys, overlapping)
+        assert block == bytearray(3 * PAYLOAD)  # nothing was read
+    # adjacent is not overlapping, and writes may share a source
+    assert await case.get(keys, via=case.store.backend) == [make_page(k) for k in keys]
+    await case.set(keys[1:], [make_page(keys[0])] * 2, via=case.store.backend)
+
+
 async def test_a_closed_backend_raises_closed_error(case: Case) -> None:
     backend: StorageBackend = case.store.backend
     await backend.aclose()

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from aiohicache.storage import _native, _reader
@@ -150,3 +153,175 @@ def test_a_hash_that_disagrees_with_xxhash_is_not_used(monkeypatch: pytest.Monke
     assert _native._xxh3_addresses() is not None
     monkeypatch.setattr(_native, "checksum", lambda data, seed: 0)
     assert _native._xxh3_addresses() is None
+
+
+@pytest.mark.parametrize("chunk", [SIZE // 3, 256 << 10])
+def test_short_reads_before_the_end_are_read_on_in_python(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    monkeypatch.setattr(_native, "SPAN_READER", None)
+    monkeypatch.setattr(_reader, "_CHUNK_BYTES", chunk)
+    keys = make_keys(9)
+    entries = write_segment(tmp_path, keys, {})
+    real = os.preadv
+
+    def at_most_1000_bytes(fd: int, buffers: list[memoryview], offset: int) -> int:
+        cut, left = [], 1000
+        for buf in buffers:
+            if left == 0:
+                break
+            cut.append(buf[:left])
+            left -= len(cut[-1])
+        return real(fd, cut, offset)
+
+    monkeypatch.setattr(_reader.os, "preadv", at_most_1000_bytes)
+    buffers = [bytearray(FMT.payload_bytes) for _ in keys]
+    files = SegmentFiles(str(tmp_path))
+    try:
+        outcomes = read_run(files, FMT, keys, entries, [memoryview(b) for b in buffers])
+    finally:
+        files.close()
+    assert outcomes == [Outcome.FILLED] * 9
+    assert buffers == [make_page(k) for k in keys]
+
+
+_SHORT_READS = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <sys/uio.h>
+
+/* preadv that reads at most 1000 bytes a call, as a network file system may */
+static int cut(const struct iovec *iov, int n, struct iovec *out) {
+    size_t left = 1000;
+    int k = 0;
+    for (; k < n && k < 64 && left > 0; k++) {
+        out[k] = iov[k];
+        if (out[k].iov_len > left) out[k].iov_len = left;
+        left -= out[k].iov_len;
+    }
+    return k;
+}
+ssize_t preadv(int fd, const struct iovec *iov, int n, off_t at) {
+    static ssize_t (*real)(int, const struct iovec *, int, off_t);
+    struct iovec out[64];
+    if (!real) real = dlsym(RTLD_NEXT, "preadv");
+    return real(fd, out, cut(iov, n, out), at);
+}
+ssize_t preadv64(int, const struct iovec *, int, off_t) __attribute__((alias("preadv")));
+ssize_t preadv2(int fd, const struct iovec *iov, int n, off_t at, int flags) {
+    static ssize_t (*real)(int, const struct iovec *, int, off_t, int);
+    struct iovec out[64];
+    if (!real) real = dlsym(RTLD_NEXT, "preadv2");
+    return real(fd, out, cut(iov, n, out), at, flags);
+}
+ssize_t preadv64v2(int, const struct iovec *, int, off_t, int)
+    __attribute__((alias("preadv2")));
+"""
+
+_READ_BACK = """
+import asyncio, hashlib, sys
+from aiohicache.storage import FileBackend, PageFormat, _native
+async def main(payload):
+    fmt = PageFormat.make(namespace="t", spec_fingerprint="t", page_size=1,
+                          payload_bytes=payload)
+    keys = [hashlib.blake2b(bytes([i]), digest_size=16).hexdigest() for i in range(20)]
+    pages = [hashlib.shake_128(k.encode()).digest(payload) for k in keys]
+    async with FileBackend(sys.argv[1] + f"/{payload}", fmt) as store:
+        assert await store.set_from(keys, [memoryview(p) for p in pages]) == [True] * 20
+        buffers = [bytearray(payload) for _ in keys]
+        filled = await store.get_into(keys, [memoryview(b) for b in buffers])
+        assert filled == [True] * 20 and buffers == pages, filled
+for payload in (512, 300_000):  # several records a call; a record in pieces
+    asyncio.run(main(payload))
+print("native" if _native.SPAN_READER else "python")
+"""
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None and os.environ.get("AIOHICACHE_REQUIRE_NATIVE")
+                    != "1", reason="no C compiler for the preadv shim")
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_short_reads_before_the_end_are_read_on(tmp_path: Path, native: str) -> None:
+    if native == "1" and _native.SPAN_READER is None:
+        pytest.skip("the native span reader is not built here")
+    (tmp_path / "shim.c").write_text(_SHORT_READS)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "shim.so"),
+                    str(tmp_path / "shim.c"), "-ldl"], check=True)
+    env = {**os.environ, "LD_PRELOAD": str(tmp_path / "shim.so"), "AIOHICACHE_NATIVE": native}
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(_READ_BACK), str(tmp_path)],
+                         env=env, cwd=Path(__file__).parents[2], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ("native" if native == "1" else "python")
+
+
+@needs_native
+def test_a_span_of_more_records_than_one_call_takes(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny = PageFormat.make(namespace="conformance", spec_fingerprint="tiny", page_size=1,
+                           payload_bytes=8)
+    keys = make_keys(1500)  # 3,000 buffers: one span, more than IOV_MAX (1,024) a call
+    blob = b"".join(encode_header(tiny, k, k[:8].encode()) + k[:8].encode() for k in keys)
+    Path(segment_path(str(tmp_path), 7)).write_bytes(blob)
+    entries = [Entry(k, PUT, 7, i * (HEADER_SIZE + 8), HEADER_SIZE + 8, 1)
+               for i, k in enumerate(keys)]
+    for reader in (_native.SPAN_READER, None):
+        monkeypatch.setattr(_native, "SPAN_READER", reader)
+        buffers = [bytearray(8) for _ in keys]
+        files = SegmentFiles(str(tmp_path))
+        try:
+            outcomes = read_run(files, tiny, keys, entries, [memoryview(b) for b in buffers])
+        finally:
+            files.close()
+        assert outcomes == [Outcome.FILLED] * 1500
+        assert buffers == [k[:8].encode() for k in keys]
+
+
+@needs_native
+def test_a_page_of_zero_bytes_reads_the_same_both_ways(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    empty = PageFormat.make(namespace="conformance", spec_fingerprint="empty", page_size=1,
+                            payload_bytes=0)
+    keys = make_keys(3)
+    Path(segment_path(str(tmp_path), 7)).write_bytes(
+        b"".join(encode_header(empty, k, b"") for k in keys))
+    entries = [Entry(k, PUT, 7, i * HEADER_SIZE, HEADER_SIZE, 1) for i, k in enumerate(keys)]
+    for reader in (_native.SPAN_READER, None):
+        monkeypatch.setattr(_native, "SPAN_READER", reader)
+        files = SegmentFiles(str(tmp_path))
+        try:
+            outcomes = read_run(files, empty, keys, entries,
+                                [memoryview(bytearray()) for _ in keys])
+        finally:
+            files.close()
+        assert outcomes == [Outcome.FILLED] * 3
+
+
+@needs_native
+def test_the_hash_functions_are_bound_once() -> None:
+    from aiohicache.storage import _spanread  # type: ignore[attr-defined]
+
+    with pytest.raises(RuntimeError, match="already bound"):
+        _spanread.bind(1, 1, 1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_overlapping_buffers_are_found_the_same_both_ways(
+        monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    rng = random.Random(seed)
+    block = memoryview(bytearray(4096))
+    views = []
+    for _ in range(rng.randint(0, 12)):
+        lo = rng.randrange(4096)
+        views.append(block[lo:lo + rng.randint(0, 300)])
+    found = _native.first_overlap(views)
+    monkeypatch.setattr(_native, "_first_overlap", None)  # the pure-Python way
+    assert _native.first_overlap(views) == found
+    pairs = [(i, j) for j in range(len(views)) for i in range(j)
+             if _extent(block, views[i]) & _extent(block, views[j])]
+    assert (found is None) == (not pairs)
+    if found is not None:
+        assert found in pairs
+
+
+def _extent(block: memoryview, view: memoryview) -> set[int]:
+    start = np.frombuffer(view, np.uint8).ctypes.data - np.frombuffer(block, np.uint8).ctypes.data
+    return set(range(start, start + len(view)))
