@@ -189,11 +189,11 @@ class StorageBackend(Protocol):
     Keys are lowercase hex strings (page hashes, see `keys.py`). Buffers are writable
     (`get_into`) or readable (`set_from`) byte views of exactly `fmt.payload_bytes` each:
     host pages in page_first layout, or staging buffers. The buffers of one `get_into` must
-    not overlap (`ConfigError`: two keys filling one buffer would both be reported filled). Backends write each object with
-    `encode_header` for its key and verify every object they read under the key it was read
-    by (`decode_page`, or `expected_checksum` and `checksum` where the payload lands apart
-    from its header); a failed check (an object moved or copied from another key included)
-    is a miss and counts in `stats().corrupt`.
+    not overlap (`ConfigError`: two keys filling one buffer would both be reported filled).
+    Backends write each object with `encode_header` for its key and verify every object
+    they read under the key it was read by (`decode_page`, or `expected_checksum` and
+    `checksum` where the payload lands apart from its header); a failed check (an object
+    moved or copied from another key included) is a miss and counts in `stats().corrupt`.
     Batches may partly succeed: results are per key. Only buffers reported filled hold a
     page: one whose object was rejected may hold its bytes (a backend may read straight into
     the buffer, then check), and an absent key's buffer is left as it was.
