@@ -52,8 +52,8 @@ def first_overlap(views: Sequence[memoryview]) -> tuple[int, int] | None:
     """The first two of `views` (byte views; ``i < j``) whose bytes overlap, or None."""
     if _first_overlap is not None:
         return _first_overlap(views)
-    extents = sorted((_address(view), _address(view) + len(view), i)
-                     for i, view in enumerate(views) if len(view))
+    starts = [(_address(view), i) for i, view in enumerate(views) if len(view)]
+    extents = sorted((start, start + len(views[i]), i) for start, i in starts)
     widest: tuple[int, int, int] | None = None
     for start, end, i in extents:
         if widest is not None and start < widest[1]:
@@ -64,7 +64,11 @@ def first_overlap(views: Sequence[memoryview]) -> tuple[int, int] | None:
 
 
 def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    # NOTE: ctypes takes 0.8 µs where numpy takes 4.8, but only from a writable buffer
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except TypeError:  # read-only
+        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 def _load() -> SpanReader | None:
