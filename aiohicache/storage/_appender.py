@@ -10,12 +10,14 @@ import errno
 import fcntl
 import os
 import secrets
+import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from . import _native
 from ._journal import PUT, Entry, segment_path
-from .base import HEADER_SIZE, PageFormat, encode_header
+from .base import HEADER_SIZE, PageFormat, encode_header, key_id, pack_header
 
 __all__ = ("Appender", "compact", "write_run")
 
@@ -173,10 +175,9 @@ def write_run(appender: Appender, fmt: PageFormat, keys: Sequence[str],
         OSError: nothing of the run was journaled (its records, if any landed, are dead).
     """
     size = HEADER_SIZE + fmt.payload_bytes
-    # NOTE: the headers (xxh3 of each payload: it releases the GIL) are made before a lane
-    # is taken, so no other thread waits for a lane while this one hashes
-    headers = [encode_header(fmt, key, payload) for key, payload in zip(keys, payloads,
-                                                                            strict=True)]
+    # NOTE: the headers are made before a lane is taken, so no other thread waits for a
+    # lane while this one hashes
+    headers = encode_headers(fmt, keys, payloads)
     lane, offset = appender.reserve(size * len(keys))
     entries: list[Entry] = []
     try:
@@ -190,6 +191,19 @@ def write_run(appender: Appender, fmt: PageFormat, keys: Sequence[str],
     finally:
         appender.release(lane, [*deletes, *entries])
     return entries
+
+
+def encode_headers(fmt: PageFormat, keys: Sequence[str],
+                   payloads: Sequence[memoryview]) -> list[bytes]:
+    """`encode_header` of each payload under its key; the payloads hashed in one native call
+    with the GIL let go where the native module is usable (xxhash's own binding holds the
+    GIL for payloads up to 64 KiB: the I/O threads then took turns hashing)."""
+    if _native.CHECKSUMS is None or not keys:
+        return [encode_header(fmt, key, payload)
+                for key, payload in zip(keys, payloads, strict=True)]
+    kids = [key_id(key) for key in keys]
+    values = struct.unpack(f"<{len(keys)}Q", _native.CHECKSUMS(b"".join(kids), payloads))
+    return [pack_header(fmt, value, kid) for value, kid in zip(values, kids, strict=True)]
 
 
 def _pwritev_all(fd: int, iov: list[bytes | memoryview], offset: int) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .base import checksum
 
-__all__ = ("SPAN_READER", "SpanReader", "first_overlap")
+__all__ = ("CHECKSUMS", "SPAN_READER", "SpanReader", "first_overlap")
 
 logger = logging.getLogger("aiohicache.storage.file")
 
@@ -140,6 +140,17 @@ def _load_overlap() -> Callable[[Sequence[memoryview]], tuple[int, int] | None] 
     return native
 
 
+def _load_checksums() -> Callable[[bytes, Sequence[memoryview]], bytes] | None:
+    if SPAN_READER is None:  # not built, turned off, or the hash functions not bound
+        return None
+    from ._spanread import checksums
+
+    return checksums
+
+
 _ENABLED: Final = os.environ.get("AIOHICACHE_NATIVE", "1") != "0"
 SPAN_READER: Final = _load()
+CHECKSUMS: Final = _load_checksums()
+"""``CHECKSUMS(key_ids, payloads)``: each payload's `checksum` (seeded with its 8-byte key
+id), as little-endian u64s, the GIL released while hashing; None where not usable."""
 _first_overlap: Final = _load_overlap()

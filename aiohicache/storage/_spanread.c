@@ -289,6 +289,45 @@ static PyObject *read_checked(PyObject *module, PyObject *args) {
     return result;
 }
 
+/* The checksum of each payload (seeded with its key id), little-endian u64s. */
+static PyObject *checksums(PyObject *module, PyObject *args) {
+    (void)module;
+    Py_buffer key_ids;
+    PyObject *payloads_obj;
+    if (!PyArg_ParseTuple(args, "y*O", &key_ids, &payloads_obj)) return NULL;
+    PyObject *seq = PySequence_Tuple(payloads_obj), *out = NULL;
+    Py_ssize_t n = seq == NULL ? 0 : PyTuple_GET_SIZE(seq), taken = 0;
+    Py_buffer *views = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    if (seq == NULL || views == NULL) {
+        if (views == NULL) PyErr_NoMemory();
+        goto done;
+    }
+    if (xxh3.oneshot == NULL || key_ids.len != 8 * n) {
+        PyErr_SetString(PyExc_ValueError, "checksums: not bound, or key ids do not match");
+        goto done;
+    }
+    for (; taken < n; taken++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(seq, taken), &views[taken], PyBUF_SIMPLE) < 0)
+            goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, 8 * n);
+    if (out == NULL) goto done;
+    unsigned char *values = (unsigned char *)PyBytes_AS_STRING(out);
+    const unsigned char *ids = key_ids.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t value = xxh3.oneshot(views[i].buf, (size_t)views[i].len, le64(ids + 8 * i));
+        for (int b = 0; b < 8; b++) values[8 * i + b] = (unsigned char)(value >> (8 * b));
+    }
+    Py_END_ALLOW_THREADS
+done:
+    release_all(views, taken);
+    PyMem_Free(views);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&key_ids);
+    return out;
+}
+
 typedef struct {
     uintptr_t start, end;
     Py_ssize_t index;
@@ -368,6 +407,10 @@ static PyObject *bind(PyObject *module, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
+    {"checksums", checksums, METH_VARARGS,
+     "checksums(key_ids, payloads) -> bytes\n"
+     "The xxh3-64 of each payload seeded with its key id (8 bytes each in key_ids), as\n"
+     "little-endian u64s; the GIL released while hashing."},
     {"first_overlap", first_overlap, METH_O,
      "first_overlap(buffers) -> (i, j) | None\n"
      "The first two buffers (i < j) whose bytes overlap, or None: one sort of their extents."},

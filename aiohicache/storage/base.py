@@ -46,6 +46,7 @@ __all__ = (
     "expected_checksum",
     "fixed_header",
     "key_id",
+    "pack_header",
 )
 
 MAGIC = b"AHKV"
@@ -104,8 +105,14 @@ def encode_header(fmt: PageFormat, key: str, payload: memoryview | bytes) -> byt
     if len(view) != fmt.payload_bytes:
         raise ValueError(f"payload is {len(view)} bytes, the format says {fmt.payload_bytes}")
     kid = key_id(key)
+    return pack_header(fmt, checksum(view, _seed(kid)), kid)
+
+
+def pack_header(fmt: PageFormat, value: int, kid: bytes) -> bytes:
+    """The header of a payload of `fmt` whose `checksum` is `value`, under key id `kid`
+    (`encode_header` for writers that hash a batch of payloads at once)."""
     return _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, fmt.namespace_id, fmt.spec_id,
-                        len(view), checksum(view, _seed(kid)), kid)
+                        fmt.payload_bytes, value, kid)
 
 
 def decode_page(fmt: PageFormat, key: str,

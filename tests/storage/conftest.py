@@ -158,8 +158,9 @@ async def file_store(ctx: StoreContext) -> AsyncIterator[Store]:
 
 @asynccontextmanager
 async def file_store_in_python(ctx: StoreContext) -> AsyncIterator[Store]:
-    """`file_store` reading in Python, as where the native span reader is not built."""
-    with mock.patch.object(_native, "SPAN_READER", None):
+    """`file_store` reading and hashing in Python, as where the native module is not built."""
+    with mock.patch.object(_native, "SPAN_READER", None), \
+            mock.patch.object(_native, "CHECKSUMS", None):
         async with file_store(ctx) as store:
             yield store
 
@@ -170,6 +171,7 @@ def file_reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     built, unless ``AIOHICACHE_REQUIRE_NATIVE=1``: CI), or the Python one."""
     if request.param == "python":
         monkeypatch.setattr(_native, "SPAN_READER", None)
+        monkeypatch.setattr(_native, "CHECKSUMS", None)
     elif _native.SPAN_READER is None and os.environ.get("AIOHICACHE_REQUIRE_NATIVE") != "1":
         pytest.skip("the native span reader is not built here")
     return str(request.param)

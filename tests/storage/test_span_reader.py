@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from aiohicache.storage import _native, _reader
+from aiohicache.storage._appender import encode_headers
 from aiohicache.storage._journal import PUT, Entry, segment_path
 from aiohicache.storage._reader import Outcome, SegmentFiles, read_run
 from aiohicache.storage.base import HEADER_SIZE, PageFormat, encode_header
@@ -325,3 +326,28 @@ def test_overlapping_buffers_are_found_the_same_both_ways(
 def _extent(block: memoryview, view: memoryview) -> set[int]:
     start = np.frombuffer(view, np.uint8).ctypes.data - np.frombuffer(block, np.uint8).ctypes.data
     return set(range(start, start + len(view)))
+
+
+@needs_native
+@pytest.mark.parametrize("payload_bytes", [0, 1, 240, 4096, 65536, 300_001])
+def test_headers_hashed_in_one_native_call_are_encode_headers(
+        monkeypatch: pytest.MonkeyPatch, payload_bytes: int) -> None:
+    fmt = PageFormat.make(namespace="conformance", spec_fingerprint="h", page_size=1,
+                          payload_bytes=payload_bytes)
+    keys = make_keys(5)
+    rng = random.Random(payload_bytes)
+    payloads = [memoryview(rng.randbytes(payload_bytes)) for _ in keys]
+    payloads[1] = memoryview(bytearray(payloads[1]))  # writable or not
+    native = encode_headers(fmt, keys, payloads)
+    monkeypatch.setattr(_native, "CHECKSUMS", None)
+    assert native == encode_headers(fmt, keys, payloads)
+    assert native == [encode_header(fmt, k, p) for k, p in zip(keys, payloads, strict=True)]
+
+
+@needs_native
+def test_checksums_refuse_key_ids_that_do_not_match() -> None:
+    checksums = _native.CHECKSUMS
+    assert checksums is not None
+    with pytest.raises(ValueError, match="key ids do not match"):
+        checksums(b"\0" * 8, [memoryview(b"a"), memoryview(b"b")])
+    assert checksums(b"", []) == b""
