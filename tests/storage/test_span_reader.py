@@ -49,19 +49,25 @@ def write_segment(root: Path, keys: list[str], damage: dict[int, str]) -> list[E
     return [Entry(key, PUT, 7, i * SIZE, SIZE, i + 1) for i, key in enumerate(keys)]
 
 
+def read_into_new_buffers(root: Path, fmt: PageFormat, keys: list[str],
+                          entries: list[Entry]) -> tuple[list[object], list[bytearray]]:
+    """`read_run` of `entries` under `root` into fresh buffers: its outcomes and the buffers."""
+    buffers = [bytearray(fmt.payload_bytes) for _ in keys]
+    files = SegmentFiles(str(root))
+    try:
+        outcomes = read_run(files, fmt, keys, entries, [memoryview(b) for b in buffers])
+    finally:
+        files.close()
+    return list(outcomes), buffers
+
+
 def read_both(root: Path, keys: list[str], entries: list[Entry],
               monkeypatch: pytest.MonkeyPatch) -> tuple[list[object], list[bytearray]]:
     """`read_run` natively, then in Python; the outcomes and buffers of both, which agree."""
     results = []
     for reader in (_native.SPAN_READER, None):
         monkeypatch.setattr(_native, "SPAN_READER", reader)
-        buffers = [bytearray(FMT.payload_bytes) for _ in keys]
-        files = SegmentFiles(str(root))
-        try:
-            outcomes = read_run(files, FMT, keys, entries, [memoryview(b) for b in buffers])
-        finally:
-            files.close()
-        results.append((outcomes, buffers))
+        results.append(read_into_new_buffers(root, FMT, keys, entries))
     (native, native_bufs), (python, python_bufs) = results
     assert list(map(_plain, native)) == list(map(_plain, python))
     for outcome, got, again in zip(native, native_bufs, python_bufs, strict=True):
@@ -175,12 +181,7 @@ def test_short_reads_before_the_end_are_read_on_in_python(
         return real(fd, cut, offset)
 
     monkeypatch.setattr(_reader.os, "preadv", at_most_1000_bytes)
-    buffers = [bytearray(FMT.payload_bytes) for _ in keys]
-    files = SegmentFiles(str(tmp_path))
-    try:
-        outcomes = read_run(files, FMT, keys, entries, [memoryview(b) for b in buffers])
-    finally:
-        files.close()
+    outcomes, buffers = read_into_new_buffers(tmp_path, FMT, keys, entries)
     assert outcomes == [Outcome.FILLED] * 9
     assert buffers == [make_page(k) for k in keys]
 
@@ -266,12 +267,7 @@ def test_a_span_of_more_records_than_one_call_takes(tmp_path: Path,
                for i, k in enumerate(keys)]
     for reader in (_native.SPAN_READER, None):
         monkeypatch.setattr(_native, "SPAN_READER", reader)
-        buffers = [bytearray(8) for _ in keys]
-        files = SegmentFiles(str(tmp_path))
-        try:
-            outcomes = read_run(files, tiny, keys, entries, [memoryview(b) for b in buffers])
-        finally:
-            files.close()
+        outcomes, buffers = read_into_new_buffers(tmp_path, tiny, keys, entries)
         assert outcomes == [Outcome.FILLED] * 1500
         assert buffers == [k[:8].encode() for k in keys]
 
@@ -287,12 +283,7 @@ def test_a_page_of_zero_bytes_reads_the_same_both_ways(tmp_path: Path,
     entries = [Entry(k, PUT, 7, i * HEADER_SIZE, HEADER_SIZE, 1) for i, k in enumerate(keys)]
     for reader in (_native.SPAN_READER, None):
         monkeypatch.setattr(_native, "SPAN_READER", reader)
-        files = SegmentFiles(str(tmp_path))
-        try:
-            outcomes = read_run(files, empty, keys, entries,
-                                [memoryview(bytearray()) for _ in keys])
-        finally:
-            files.close()
+        outcomes, _ = read_into_new_buffers(tmp_path, empty, keys, entries)
         assert outcomes == [Outcome.FILLED] * 3
 
 
