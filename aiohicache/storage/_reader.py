@@ -3,8 +3,9 @@
 A span of adjacent records is read with ``preadv`` straight into the callers' buffers (the
 headers into a small buffer of the thread's), a chunk of about `_CHUNK_BYTES` at a time,
 and each payload is checked while the chunk is still in the CPU's cache. The kernel copies
-once, from the page cache into the buffer: no map to fault in, no staging copy, and the
-GIL is let go during the copy, so the I/O threads' copies and checks overlap.
+once, from the page cache into the buffer: no map to fault in, no staging copy. Where the
+native module is usable (`_native.SPAN_READER`, ``_spanread.c``) a whole span is read and
+checked in one call with the GIL let go; else the same reads run here, in Python.
 
 A page is reported filled only if its header and checksum match; a buffer not reported
 filled may hold the bytes of a rejected record (callers use only filled buffers).
