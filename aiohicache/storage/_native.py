@@ -14,7 +14,9 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from pathlib import Path
+from types import ModuleType
+from typing import Final, cast
 
 import numpy as np
 
@@ -71,20 +73,39 @@ def _address(view: memoryview) -> int:
         return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
-def _load() -> SpanReader | None:
+def _module() -> ModuleType | None:
+    """The extension, if it is built, not turned off, and not older than its source."""
     if not _ENABLED:
         return None
     try:
-        from ._spanread import bind, read_checked
+        from . import _spanread
     except ImportError:
         logger.info("storage: the native span reader is not built; the file store reads "
                     "in Python (slower for small pages: docs/storage.md)")
         return None
+    built, source = Path(_spanread.__file__), Path(__file__).with_name("_spanread.c")
+    if stale(built, source):
+        logger.warning("storage: %s is older than %s; rebuild it (make install, or pip "
+                       "install -e .). Reading in Python until then", built.name, source.name)
+        return None
+    return _spanread
+
+
+def stale(built: Path, source: Path) -> bool:
+    """Whether `source` changed after `built` was built from it. NOTE: in a checkout (an
+    editable install) a pull can change the source under a built module; a wheel holds no
+    source, so there is nothing to compare."""
+    return source.exists() and source.stat().st_mtime > built.stat().st_mtime
+
+
+def _load() -> SpanReader | None:
+    if (module := _MODULE) is None:
+        return None
     addresses = _xxh3_addresses()
     if addresses is None:
         return None
-    bind(*addresses)
-    return SpanReader(read_checked)
+    module.bind(*addresses)
+    return SpanReader(module.read_checked)
 
 
 def _xxh3_addresses() -> list[int] | None:
@@ -131,24 +152,18 @@ def _agrees(addresses: list[int]) -> bool:
 
 
 def _load_overlap() -> Callable[[Sequence[memoryview]], tuple[int, int] | None] | None:
-    if not _ENABLED:
-        return None
-    try:
-        from ._spanread import first_overlap as native
-    except ImportError:
-        return None
-    return native
+    return None if _MODULE is None else cast(Callable[..., tuple[int, int] | None],
+                                             _MODULE.first_overlap)
 
 
 def _load_checksums() -> Callable[[bytes, Sequence[memoryview]], bytes] | None:
-    if SPAN_READER is None:  # not built, turned off, or the hash functions not bound
+    if SPAN_READER is None or _MODULE is None:  # not usable, or the hash not bound
         return None
-    from ._spanread import checksums
-
-    return checksums
+    return cast(Callable[[bytes, Sequence[memoryview]], bytes], _MODULE.checksums)
 
 
 _ENABLED: Final = os.environ.get("AIOHICACHE_NATIVE", "1") != "0"
+_MODULE: Final = _module()
 SPAN_READER: Final = _load()
 CHECKSUMS: Final = _load_checksums()
 """``CHECKSUMS(key_ids, payloads)``: each payload's `checksum` (seeded with its 8-byte key
