@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev,cuda,serve,metrics]"
 	touch $(STAMP) $(NATIVE)
 
-# The native span reader (storage/_spanread.c) is built by the install; again when it changes.
-$(NATIVE): aiohicache/storage/_spanread.c | $(STAMP)
+# The C extensions (storage/_spanread.c, transfer/_pagecopy.c) are built by the install;
+# again when one changes.
+$(NATIVE): aiohicache/storage/_spanread.c aiohicache/transfer/_pagecopy.c | $(STAMP)
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(NATIVE)
 

@@ -1,5 +1,6 @@
 """Section 1 of ``bench core``: CPU page copy (gather/scatter) against one contiguous copy of
-the same bytes, each timed back to back with its baseline."""
+the same bytes, each timed back to back with its baseline; numpy's copy (`copy_pages`) and the
+C copier (`_pagecopy.c`, where built) side by side."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import numpy.typing as npt
 from ..memory import DevicePool, HostPool, PageIds
 from ..transfer._copy import CopyPlan
 from ..transfer._cpu import copy_layer, word_views
+from ..transfer._native import native_copier
 from ._core_sizes import GB, CoreSizes, spec_of
 
 Direction = Literal["D2H", "H2D"]
 Pattern = Literal["contiguous", "random"]
+Copier = Literal["numpy", "native"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +31,7 @@ class CopyRow:
     layout: str
     direction: Direction
     pattern: Pattern
+    copier: Copier
     nbytes: int
     gbps: float
     """Bytes over the median time of the page copy."""
@@ -59,25 +63,38 @@ def _copy_cases(device: DevicePool, host: HostPool, reps: int) -> Iterator[CopyR
         "contiguous": (np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64)),
         "random": (rng.permutation(n).astype(np.int64), rng.permutation(n).astype(np.int64)),
     }
+    copiers: list[Copier] = ["numpy", "native"] if native_copier(device, host) else ["numpy"]
     for pattern, (device_ids, host_ids) in patterns.items():
         for direction in ("D2H", "H2D"):
-            yield _copy_case(device, host, direction, pattern, device_ids, host_ids, reps)
+            for copier in copiers:
+                ids = (host_ids, device_ids) if direction == "H2D" else (device_ids, host_ids)
+                pages = _page_copy(device, host, *ids, to_device=direction == "H2D",
+                                   copier=copier)
+                yield _copy_case(device, host, direction, pattern, copier, pages, reps)
+
+
+def _page_copy(device: DevicePool, host: HostPool, src_ids: PageIds, dst_ids: PageIds, *,
+               to_device: bool, copier: Copier) -> Callable[[], None]:
+    """One whole copy, all layers, as the CPU engine runs it with this copier."""
+    layers = device.spec.num_layers
+    native = native_copier(device, host) if copier == "native" else None
+    if native is not None:
+        return lambda: native.copy(src_ids, dst_ids, to_device, 0, layers, False)
+    device_words, host_words = word_views(device), word_views(host)
+    row_bytes = device_words[0][0].shape[1] * device_words[0][0].element_size()
+    plan = CopyPlan.build(src_ids, dst_ids, row_bytes=row_bytes)
+
+    def pages() -> None:
+        for layer in range(layers):
+            copy_layer(device_words, host_words, plan, layer, to_device=to_device)
+    return pages
 
 
 def _copy_case(device: DevicePool, host: HostPool, direction: Direction, pattern: Pattern,
-               device_ids: PageIds, host_ids: PageIds, reps: int) -> CopyRow:
-    to_device = direction == "H2D"
-    device_words, host_words = word_views(device), word_views(host)
-    row_bytes = device_words[0][0].shape[1] * device_words[0][0].element_size()
-    plan = CopyPlan.build(host_ids, device_ids, row_bytes=row_bytes) if to_device \
-        else CopyPlan.build(device_ids, host_ids, row_bytes=row_bytes)
+               copier: Copier, pages: Callable[[], None], reps: int) -> CopyRow:
     src, dst = device.data.view(-1), host.data.view(-1)
-    if to_device:
+    if direction == "H2D":
         src, dst = dst, src
-
-    def pages() -> None:
-        for layer in range(device.spec.num_layers):
-            copy_layer(device_words, host_words, plan, layer, to_device=to_device)
 
     def contiguous() -> None:
         dst.copy_(src)
@@ -85,7 +102,8 @@ def _copy_case(device: DevicePool, host: HostPool, direction: Direction, pattern
     t_pages, t_base = _paired_times(pages, contiguous, reps)
     nbytes = device.nbytes
     return CopyRow(page_size=device.page_size, layout=host.layout, direction=direction,
-                   pattern=pattern, nbytes=nbytes, gbps=nbytes / float(np.median(t_pages)) / GB,
+                   pattern=pattern, copier=copier, nbytes=nbytes,
+                   gbps=nbytes / float(np.median(t_pages)) / GB,
                    baseline_gbps=nbytes / float(np.median(t_base)) / GB,
                    ratio=float(np.median(t_base / t_pages)), runs=len(t_pages))
 

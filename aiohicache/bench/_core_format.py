@@ -48,7 +48,8 @@ def format_copy(rows: list[CopyRow], sizes: CoreSizes) -> str:
     spec = spec_of(sizes.num_layers)
     base = np.array([r.baseline_gbps for r in rows])
     head = [
-        "1. CPU page copy (copy_pages) vs one contiguous dst.copy_(src) of the same bytes",
+        "1. CPU page copy (numpy's copy_pages; native: the C copier, _pagecopy.c) vs one",
+        "   contiguous dst.copy_(src) of the same bytes",
         f"   KV: {spec.num_layers} layers x K/V x 8 heads x 128 x bf16 = "
         f"{spec.bytes_per_token // 1024} KiB/token; {rows[0].nbytes / MIB:.0f} MiB per copy",
         f"   contiguous copy: median {np.median(base):.1f} GB/s "
@@ -57,20 +58,20 @@ def format_copy(rows: list[CopyRow], sizes: CoreSizes) -> str:
         f"   contiguous time / page copy time; target >= {TARGET_RATIO} for page >= 16 "
         "('<' marks a miss)",
         "",
-        "   page  layout       dir  contiguous GB/s  ratio    random GB/s  ratio",
+        "   page  layout       dir  copier  contiguous GB/s  ratio    random GB/s  ratio",
     ]
-    cells: dict[tuple[int, str, str, str], CopyRow] = {
-        (r.page_size, r.layout, r.direction, r.pattern): r for r in rows}
-    keys = dict.fromkeys((r.page_size, r.layout, r.direction) for r in rows)
+    cells: dict[tuple[int, str, str, str, str], CopyRow] = {
+        (r.page_size, r.layout, r.direction, r.copier, r.pattern): r for r in rows}
+    keys = dict.fromkeys((r.page_size, r.layout, r.direction, r.copier) for r in rows)
     lines = [_copy_line(cells, *key) for key in keys]
     return "\n".join(head + lines) + "\n"
 
 
-def _copy_line(cells: dict[tuple[int, str, str, str], CopyRow], page_size: int, layout: str,
-               direction: str) -> str:
-    parts = [f"   {page_size:>4}  {layout:<11}  {direction}"]
+def _copy_line(cells: dict[tuple[int, str, str, str, str], CopyRow], page_size: int,
+               layout: str, direction: str, copier: str) -> str:
+    parts = [f"   {page_size:>4}  {layout:<11}  {direction}  {copier:<6}"]
     for pattern in ("contiguous", "random"):
-        row = cells[(page_size, layout, direction, pattern)]
+        row = cells[(page_size, layout, direction, copier, pattern)]
         miss = "<" if page_size >= 16 and row.ratio < TARGET_RATIO else " "
         parts.append(f"{row.gbps:>14.2f}  {row.ratio:>5.2f}{miss}")
     return "".join(parts)

@@ -11,15 +11,13 @@ from __future__ import annotations
 import ctypes
 import importlib
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 from typing import Final, cast
 
 import numpy as np
 
+from .._native import load_extension
 from .base import checksum
 
 __all__ = ("CHECKSUMS", "SPAN_READER", "SpanReader", "first_overlap")
@@ -71,31 +69,6 @@ def _address(view: memoryview) -> int:
         return ctypes.addressof(ctypes.c_char.from_buffer(view))
     except TypeError:  # read-only
         return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-
-
-def _module() -> ModuleType | None:
-    """The extension, if it is built, not turned off, and not older than its source."""
-    if not _ENABLED:
-        return None
-    try:
-        from . import _spanread
-    except ImportError:
-        logger.info("storage: the native span reader is not built; the file store reads "
-                    "in Python (slower for small pages: docs/storage.md)")
-        return None
-    built, source = Path(_spanread.__file__), Path(__file__).with_name("_spanread.c")
-    if stale(built, source):
-        logger.warning("storage: %s is older than %s; rebuild it (make install, or pip "
-                       "install -e .). Reading in Python until then", built.name, source.name)
-        return None
-    return _spanread
-
-
-def stale(built: Path, source: Path) -> bool:
-    """Whether `source` changed after `built` was built from it. NOTE: in a checkout (an
-    editable install) a pull can change the source under a built module; a wheel holds no
-    source, so there is nothing to compare."""
-    return source.exists() and source.stat().st_mtime > built.stat().st_mtime
 
 
 def _load() -> SpanReader | None:
@@ -162,8 +135,9 @@ def _load_checksums() -> Callable[[bytes, Sequence[memoryview]], bytes] | None:
     return cast(Callable[[bytes, Sequence[memoryview]], bytes], _MODULE.checksums)
 
 
-_ENABLED: Final = os.environ.get("AIOHICACHE_NATIVE", "1") != "0"
-_MODULE: Final = _module()
+_MODULE: Final = load_extension(
+    "aiohicache.storage._spanread", logger=logger,
+    fallback="the file store reads in Python (slower for small pages: docs/storage.md)")
 SPAN_READER: Final = _load()
 CHECKSUMS: Final = _load_checksums()
 """``CHECKSUMS(key_ids, payloads)``: each payload's `checksum` (seeded with its 8-byte key

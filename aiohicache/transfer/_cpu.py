@@ -7,7 +7,7 @@ complete in submission order (like a stream) and the event loop only submits and
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import anyio.to_thread
@@ -18,6 +18,7 @@ from ..memory import DevicePool, HostPool, PageIds
 from ._base import TransferHandle
 from ._copy import CopyPlan, as_words, copy_pages
 from ._geometry import check_copy
+from ._native import native_copier
 
 __all__ = ("CpuTransferEngine", "copy_layer", "word_views")
 
@@ -61,6 +62,8 @@ class CpuTransferEngine:
         rows = self._device_words[0][0]
         self._row_bytes = rows.shape[1] * rows.element_size()
         """Bytes of one page of one layer's K or V: what a copy moves per page id."""
+        self._native = native_copier(device_pool, host_pool)
+        """The C copier (`_pagecopy.c`), or None: numpy copies by a `CopyPlan` instead."""
         self._load = _Stream("aiohicache-load")
         self._write = _Stream("aiohicache-write")
         self._closed = False
@@ -91,7 +94,8 @@ class CpuTransferEngine:
                               to_device=to_device)
         handle = TransferHandle.for_pages(self.device_pool, len(src))
         if handle.nbytes <= self.inline_bytes and stream.pending == 0:
-            self._copy(self._plan(src, dst), to_device)  # idle stream: order is kept
+            # idle stream: order is kept
+            self._layers(src, dst, to_device)(0, self.device_pool.spec.num_layers, False)
             handle.bridge.call_soon(handle._finish, None)
             return handle
         stream.pending += 1
@@ -99,23 +103,31 @@ class CpuTransferEngine:
         stream.executor.submit(self._run, src.copy(), dst.copy(), handle, to_device)
         return handle
 
-    def _plan(self, src: PageIds, dst: PageIds) -> CopyPlan:
-        return CopyPlan.build(src, dst, row_bytes=self._row_bytes)
+    def _layers(self, src: PageIds, dst: PageIds,
+                to_device: bool) -> Callable[[int, int, bool], None]:
+        """``copy(lo, hi, release_gil)``: copies layers ``[lo, hi)`` of this job; the C
+        copier lets go of the GIL for it if asked, numpy only for large slices."""
+        native = self._native
+        if native is not None:
+            return lambda lo, hi, release: native.copy(src, dst, to_device, lo, hi, release)
+        plan = CopyPlan.build(src, dst, row_bytes=self._row_bytes)
 
-    def _copy(self, plan: CopyPlan, to_device: bool) -> None:
-        for layer in range(self.device_pool.spec.num_layers):
-            copy_layer(self._device_words, self._host_words, plan, layer, to_device=to_device)
+        def copy(lo: int, hi: int, _: bool) -> None:
+            for layer in range(lo, hi):
+                copy_layer(self._device_words, self._host_words, plan, layer,
+                           to_device=to_device)
+        return copy
 
     def _run(self, src: PageIds, dst: PageIds, handle: TransferHandle,
              to_device: bool) -> None:
-        """Worker thread: plan, then copy layer by layer, reporting each layer to the loop."""
+        """Worker thread: copy (a load layer by layer, reporting each layer to the loop)."""
         try:
-            plan = self._plan(src, dst)
-            for layer in range(self.device_pool.spec.num_layers):
-                copy_layer(self._device_words, self._host_words, plan, layer,
-                           to_device=to_device)
-                if to_device:
-                    handle.bridge.call_soon(handle._layer_done, layer)
+            copy = self._layers(src, dst, to_device)
+            if not to_device:
+                copy(0, self.device_pool.spec.num_layers, True)
+            for layer in range(self.device_pool.spec.num_layers if to_device else 0):
+                copy(layer, layer + 1, True)
+                handle.bridge.call_soon(handle._layer_done, layer)
         except Exception as exc:  # reported through the handle, never lost
             log.exception("page copy failed")
             handle.bridge.call_soon(handle._finish, exc)

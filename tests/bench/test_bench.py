@@ -20,7 +20,9 @@ from click.testing import CliRunner
 
 from aiohicache import ConfigError
 from aiohicache._lagprobe import GcPauses, LoopLagProbe, StallSampler, quiet_runtime
+from aiohicache._native import REQUIRED
 from aiohicache.cli import cli
+from aiohicache.transfer import _native as transfer_native
 
 SECTIONS = ("1. CPU page copy", "2. Event-loop lag", "3. fetch -> commit overhead")
 
@@ -42,6 +44,10 @@ def test_bench_core_quick_prints_every_section() -> None:
     assert "page_first" in result.output and "layer_first" in result.output
 
 
+def native_built() -> bool:
+    return REQUIRED or transfer_native._MODULE is not None
+
+
 @pytest.mark.usefixtures("keep_torch_threads")
 def test_bench_core_quick_json() -> None:
     result = CliRunner().invoke(cli, ["bench", "core", "--quick", "--json", "--torch-threads",
@@ -49,8 +55,11 @@ def test_bench_core_quick_json() -> None:
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["machine"]["torch_threads"] == 1
-    assert len(report["copy"]) == 3 * 2 * 2 * 2  # page sizes x layouts x patterns x directions
+    copiers = {"numpy", "native"} if native_built() else {"numpy"}
+    # page sizes x layouts x patterns x directions x copiers
+    assert len(report["copy"]) == 3 * 2 * 2 * 2 * len(copiers)
     assert {r["pattern"] for r in report["copy"]} == {"contiguous", "random"}
+    assert {r["copier"] for r in report["copy"]} == copiers
     assert report["loop"]["lag"]["samples"] > 0 and report["loop"]["requests"] > 0
     assert report["loop"]["loaded_bytes"] > 0 and report["loop"]["written_bytes"] > 0
     assert {r["tokens_as"] for r in report["hits"]} == {"list", "ndarray"}

@@ -342,15 +342,3 @@ def test_checksums_refuse_key_ids_that_do_not_match() -> None:
     with pytest.raises(ValueError, match="key ids do not match"):
         checksums(b"\0" * 8, [memoryview(b"a"), memoryview(b"b")])
     assert checksums(b"", []) == b""
-
-
-def test_a_module_older_than_its_source_is_stale(tmp_path: Path) -> None:
-    built, source = tmp_path / "_spanread.so", tmp_path / "_spanread.c"
-    built.write_bytes(b"")
-    assert not _native.stale(built, source)  # a wheel: no source beside it
-    source.write_text("")
-    os.utime(built, (1_000, 1_000))
-    os.utime(source, (2_000, 2_000))
-    assert _native.stale(built, source)
-    os.utime(built, (3_000, 3_000))
-    assert not _native.stale(built, source)

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from aiohicache import ConfigError, CpuTransferEngine, KVSpec, TransferError, TransferHandle
+from aiohicache._native import REQUIRED
 from aiohicache.errors import PageError
 from aiohicache.memory import DevicePool, HostPool
+from aiohicache.transfer import _cpu, _native
 from aiohicache.transfer._base import record_fence, write_after
 from aiohicache.transfer._copy import CopyPlan, copy_pages
 
@@ -20,6 +22,16 @@ SPECS = {
     "mla-576B": KVSpec.mla(num_layers=2, kv_lora_rank=512, rope_dim=64, dtype="fp8"),
     "mla-656B": KVSpec.mla(num_layers=2, kv_lora_rank=512, rope_dim=144, dtype="fp8"),
 }
+
+
+@pytest.fixture(params=["native", "numpy"])
+def copier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The CPU engine with the C page copier (`_pagecopy.c`), and with numpy copies."""
+    if request.param == "numpy":
+        monkeypatch.setattr(_cpu, "native_copier", lambda *_: None)
+    elif _native._MODULE is None and not REQUIRED:
+        pytest.skip("the native page copier is not built here (CI requires it)")
+    return str(request.param)
 
 
 def random_fill(pool: DevicePool | HostPool, seed: int) -> None:
@@ -34,7 +46,8 @@ def random_fill(pool: DevicePool | HostPool, seed: int) -> None:
 @pytest.mark.parametrize("order", ["contiguous", "random"])
 @pytest.mark.parametrize("inline_bytes", [0, 1 << 30], ids=["thread", "inline"])
 async def test_round_trip_device_host_device_is_bit_exact(
-        layout: str, page_size: int, spec_name: str, order: str, inline_bytes: int) -> None:
+        layout: str, page_size: int, spec_name: str, order: str, inline_bytes: int,
+        copier: str) -> None:
     spec = SPECS[spec_name]
     dev = DevicePool(spec, num_pages=12, page_size=page_size)
     host = HostPool(spec, num_pages=20, page_size=page_size, layout=layout)  # type: ignore[arg-type]
@@ -60,6 +73,7 @@ async def test_round_trip_device_host_device_is_bit_exact(
         assert torch.equal(before.view(torch.uint8), after.view(torch.uint8))
 
 
+@pytest.mark.usefixtures("copier")
 async def test_load_reports_layers_in_order_and_then_done() -> None:
     spec = SPECS["mha-bf16"]
     dev = DevicePool(spec, num_pages=8, page_size=4)
@@ -153,7 +167,7 @@ async def test_cancelling_one_waiter_does_not_cancel_the_transfer() -> None:
 @pytest.mark.parametrize("inline_bytes", [0, 1 << 30], ids=["thread", "inline"])
 @pytest.mark.parametrize("order", ["contiguous", "random"])
 async def test_a_negative_page_id_skips_its_pair_instead_of_wrapping(
-        inline_bytes: int, order: str) -> None:
+        inline_bytes: int, order: str, copier: str) -> None:
     spec = SPECS["mha-bf16"]
     dev = DevicePool(spec, num_pages=8, page_size=4)
     host = HostPool(spec, num_pages=8, page_size=4, layout="page_first")
@@ -182,6 +196,7 @@ async def test_a_negative_page_id_skips_its_pair_instead_of_wrapping(
 
 
 @pytest.mark.parametrize("to_device", [True, False], ids=["load", "write"])
+@pytest.mark.usefixtures("copier")
 async def test_a_page_id_past_its_pool_is_refused_before_any_copy(to_device: bool) -> None:
     spec = SPECS["mla-656B"]
     dev = DevicePool(spec, num_pages=4, page_size=2)
