@@ -39,10 +39,13 @@ static int side_from(side_t *side, Py_buffer *buf, PyObject *strides, Py_ssize_t
     if (!PyArg_ParseTuple(strides, "nnnnn", &offset, &side->page, &side->kv, &side->layer,
                           &side->pages))
         return -1;
-    if (offset < 0 || side->page < 0 || side->kv < 0 || side->layer < 0 || side->pages < 1) {
-        PyErr_Format(PyExc_ValueError, "%s: offset and strides must be >= 0, pages >= 1", name);
+    if (offset < 0 || side->page < 0 || side->kv < 0 || side->layer < 0 || side->pages < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: offset, strides and pages must be >= 0", name);
         return -1;
     }
+    side->base = (char *)buf->buf;
+    if (side->pages == 0)
+        return 0; /* no id is inside an empty pool: every copy is refused */
     /* the last byte of the last chunk, computed without overflow */
     Py_ssize_t end = offset, term;
     Py_ssize_t counts[3] = {side->pages - 1, num_kv - 1, num_layers - 1};

@@ -127,13 +127,18 @@ def test_a_pool_described_past_its_bytes_is_refused() -> None:
     for side, match in [((1, 512, 1024, 2048, 2), "device: chunks reach past"),
                         ((0, 512, 1024, 2048, 3), "device: chunks reach past"),
                         ((0, 1 << 62, 1 << 62, 0, 4), "device: chunks reach past"),
-                        ((0, -512, 1024, 2048, 2), "device: offset and strides")]:
+                        ((0, -512, 1024, 2048, 2), "device: offset, strides and pages"),
+                        ((0, 512, 1024, 2048, -1), "device: offset, strides and pages")]:
         with pytest.raises(ValueError, match=match):
             page_copier(dev, side, host, fits, 512, 2, 1)
     with pytest.raises(ValueError, match="host: chunks reach past"):
         page_copier(dev, fits, host, (0, 1024, 1024, 2048, 2), 512, 2, 1)
     with pytest.raises(BufferError, match="not writable"):
         page_copier(bytes(2048), fits, host, fits, 512, 2, 1)  # read-only
+    empty = page_copier(dev, fits, np.zeros(0, np.uint8), (0, 512, 1024, 2048, 0), 512, 2, 1)
+    with pytest.raises(IndexError, match="outside the pools"):
+        empty.copy(np.array([0]), np.array([0]), False, 0, 1, False)
+    empty.copy(np.array([0]), np.array([-1]), False, 0, 1, False)  # skipped: nothing to check
     with pytest.raises(ValueError, match=">= 1"):
         page_copier(dev, fits, host, fits, 0, 2, 1)
     copier = page_copier(dev, fits, host, fits, 512, 2, 1)
