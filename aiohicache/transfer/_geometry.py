@@ -75,7 +75,7 @@ class Geometry:
             raise ConfigError("host pool: must hold the device pool's spec and page size")
         for pool in (device_pool, host_pool):
             view = pool.layer_view(0, 0)
-            if not view[0].is_contiguous():
+            if not view[:1].is_contiguous():  # a slice: a pool may have no pages (one tier)
                 raise ConfigError("pools: a page of one (kv, layer) must be contiguous")
         spec = device_pool.spec
         chunk = device_pool.page_size * spec.row_bytes

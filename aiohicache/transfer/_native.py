@@ -14,7 +14,7 @@ import torch
 
 from .._native import load_extension
 from ..memory import DevicePool, HostPool, PageIds
-from ._geometry import Side
+from ._geometry import Geometry, Side
 
 __all__ = ("PageCopier", "native_copier")
 
@@ -36,15 +36,18 @@ _MODULE: Final = load_extension("aiohicache.transfer._pagecopy", logger=log,
 
 
 def native_copier(device_pool: DevicePool, host_pool: HostPool) -> PageCopier | None:
-    """A copier between the two CPU pools, or None where the extension cannot be used."""
+    """A copier between the two CPU pools, or None where the extension cannot be used.
+
+    Raises:
+        ConfigError: the pools differ in spec or page size (`Geometry.of`).
+    """
     if _MODULE is None or device_pool.device.type != "cpu":
         return None
-    spec = device_pool.spec
-    first = device_pool.layer_view(0, 0)
-    chunk = first[0].numel() * first.element_size()  # one page of one layer's K or V
+    geometry = Geometry.of(device_pool, host_pool)
     copier: PageCopier = _MODULE.PageCopier(
-        _bytes(device_pool), _strides(device_pool), _bytes(host_pool), _strides(host_pool),
-        chunk, spec.num_kv, spec.num_layers)
+        _bytes(device_pool), _strides(geometry.device, device_pool), _bytes(host_pool),
+        _strides(geometry.host, host_pool), geometry.chunk_bytes, geometry.num_kv,
+        geometry.num_layers)
     return copier
 
 
@@ -52,7 +55,6 @@ def _bytes(pool: DevicePool | HostPool) -> object:
     return pool.data.reshape(-1).view(torch.uint8).numpy()
 
 
-def _strides(pool: DevicePool | HostPool) -> tuple[int, int, int, int, int]:
-    """`Side.of` the pool, its base as an offset into the pool's bytes, and its pages."""
-    side = Side.of(pool)
+def _strides(side: Side, pool: DevicePool | HostPool) -> tuple[int, int, int, int, int]:
+    """`side` with its base as an offset into the pool's bytes, and the pool's pages."""
     return side.base - pool.data.data_ptr(), side.page, side.kv, side.layer, pool.num_pages

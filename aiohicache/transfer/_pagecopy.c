@@ -10,8 +10,9 @@
  * A pool is described as `_geometry.Side` does it: the chunk of (page, kv, layer) starts at
  * offset + page * page_stride + kv * kv_stride + layer * layer_stride of the pool's bytes.
  * The copier holds both pools' buffers for its life and checks at construction that every
- * chunk lies inside them, and at each call that every page id is inside its pool, so no id
- * or stride can make it touch memory outside the pools.
+ * chunk lies inside them and that the pools do not overlap, and at each call that every page
+ * id of its own snapshot of the ids is inside its pool, so no id or stride can make it touch
+ * memory outside the pools.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -26,6 +27,7 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
+    int ready; /* set last, once everything below is checked */
     Py_buffer device_buf, host_buf;
     side_t device, host;
     Py_ssize_t chunk, num_kv, num_layers;
@@ -65,33 +67,61 @@ outside:
     return -1;
 }
 
+/* Whether the two buffers share a byte (memcpy between them would be undefined). */
+static int overlap(const Py_buffer *a, const Py_buffer *b) {
+    uintptr_t a0 = (uintptr_t)a->buf, b0 = (uintptr_t)b->buf;
+    return a->len > 0 && b->len > 0 && a0 < b0 + (uintptr_t)b->len &&
+           b0 < a0 + (uintptr_t)a->len;
+}
+
+/* Everything is read and checked into locals; the object takes it only when all is well,
+ * so a failed __init__ leaves a copier that refuses to copy. */
 static int copier_init(PageCopier *self, PyObject *args, PyObject *kwargs) {
     PyObject *device_obj, *device_strides, *host_obj, *host_strides;
+    Py_ssize_t chunk, num_kv, num_layers;
     static char *keywords[] = {"device", "device_side", "host", "host_side", "chunk",
                                "num_kv", "num_layers", NULL};
-    if (self->device_buf.obj != NULL || self->host_buf.obj != NULL) {
+    if (self->ready || self->device_buf.obj != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "PageCopier: already initialised");
         return -1;
     }
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!nnn", keywords, &device_obj,
                                      &PyTuple_Type, &device_strides, &host_obj, &PyTuple_Type,
-                                     &host_strides, &self->chunk, &self->num_kv,
-                                     &self->num_layers))
+                                     &host_strides, &chunk, &num_kv, &num_layers))
         return -1;
-    if (self->chunk < 1 || self->num_kv < 1 || self->num_layers < 1) {
+    if (chunk < 1 || num_kv < 1 || num_layers < 1) {
         PyErr_SetString(PyExc_ValueError, "chunk, num_kv and num_layers must be >= 1");
         return -1;
     }
-    if (PyObject_GetBuffer(device_obj, &self->device_buf, PyBUF_CONTIG) < 0)
+    Py_buffer device_buf, host_buf;
+    side_t device, host;
+    if (PyObject_GetBuffer(device_obj, &device_buf, PyBUF_CONTIG) < 0)
         return -1;
-    if (PyObject_GetBuffer(host_obj, &self->host_buf, PyBUF_CONTIG) < 0)
+    if (PyObject_GetBuffer(host_obj, &host_buf, PyBUF_CONTIG) < 0) {
+        PyBuffer_Release(&device_buf);
         return -1;
-    if (side_from(&self->device, &self->device_buf, device_strides, self->chunk,
-                  self->num_kv, self->num_layers, "device") < 0 ||
-        side_from(&self->host, &self->host_buf, host_strides, self->chunk, self->num_kv,
-                  self->num_layers, "host") < 0)
-        return -1;
+    }
+    if (side_from(&device, &device_buf, device_strides, chunk, num_kv, num_layers,
+                  "device") < 0 ||
+        side_from(&host, &host_buf, host_strides, chunk, num_kv, num_layers, "host") < 0)
+        goto fail;
+    if (overlap(&device_buf, &host_buf)) {
+        PyErr_SetString(PyExc_ValueError, "device and host: the pools' bytes overlap");
+        goto fail;
+    }
+    self->device_buf = device_buf;
+    self->host_buf = host_buf;
+    self->device = device;
+    self->host = host;
+    self->chunk = chunk;
+    self->num_kv = num_kv;
+    self->num_layers = num_layers;
+    self->ready = 1;
     return 0;
+fail:
+    PyBuffer_Release(&device_buf);
+    PyBuffer_Release(&host_buf);
+    return -1;
 }
 
 static void copier_dealloc(PageCopier *self) {
@@ -112,6 +142,8 @@ typedef struct {
 /* Per (kv, layer), the pairs in order; where both sides' pages are one chunk apart, a run
  * of pages advancing by one on both sides is one memcpy. */
 static void copy_layer_major(const job_t *j) {
+    if (j->from->pages == 0 || j->to->pages == 0)
+        return; /* every pair was a skip: an id in an empty pool is refused before */
     int runs = j->from->page == j->chunk && j->to->page == j->chunk;
     for (Py_ssize_t kv = j->kv_lo; kv < j->kv_hi; kv++) {
         for (Py_ssize_t layer = j->layer_lo; layer < j->layer_hi; layer++) {
@@ -156,9 +188,15 @@ static int id_buffer(PyObject *obj, Py_buffer *view, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return -1;
     const char *f = view->format;
+#if PY_LITTLE_ENDIAN
+    const char order = '<';
+#else
+    const char order = '>';
+#endif
+    if (f != NULL && (f[0] == '=' || f[0] == '@' || f[0] == order))
+        f++; /* native byte order */
     if (view->ndim != 1 || view->itemsize != 8 || f == NULL ||
-        !(strcmp(f, "q") == 0 || strcmp(f, "l") == 0 || strcmp(f, "<q") == 0 ||
-          strcmp(f, "<l") == 0 || strcmp(f, "=q") == 0 || strcmp(f, "=l") == 0)) {
+        !(strcmp(f, "q") == 0 || strcmp(f, "l") == 0)) {
         PyErr_Format(PyExc_TypeError, "%s: must be a 1-D contiguous int64 array", name);
         PyBuffer_Release(view);
         return -1;
@@ -176,14 +214,31 @@ static Py_ssize_t first_outside(const job_t *j) {
     return -1;
 }
 
+/* Copy the job; the GIL is let go of for the copy if `release`. */
+static void run_job(const job_t *job, Py_ssize_t chunk, int release) {
+    /* page-major where the destination's chunks of a page are adjacent and the job covers
+     * more than one of them */
+    int page_major = job->to->page != chunk &&
+                     (job->layer_hi - job->layer_lo > 1 || job->kv_hi - job->kv_lo > 1);
+    /* NOTE: a small copy on the event loop keeps the GIL: letting go of it can cost the loop
+     * a switch interval before it comes back */
+    PyThreadState *saved = release ? PyEval_SaveThread() : NULL;
+    if (page_major)
+        copy_page_major(job);
+    else
+        copy_layer_major(job);
+    if (saved != NULL)
+        PyEval_RestoreThread(saved);
+}
+
 static PyObject *copier_copy(PageCopier *self, PyObject *args) {
-    PyObject *src_obj, *dst_obj;
+    PyObject *src_obj, *dst_obj, *result = NULL;
     int to_device, release;
-    Py_ssize_t layer_lo, layer_hi;
+    Py_ssize_t layer_lo, layer_hi, bad;
     if (!PyArg_ParseTuple(args, "OOpnnp", &src_obj, &dst_obj, &to_device, &layer_lo,
                           &layer_hi, &release))
         return NULL;
-    if (self->device_buf.obj == NULL) {
+    if (!self->ready) {
         PyErr_SetString(PyExc_RuntimeError, "PageCopier: not initialised");
         return NULL;
     }
@@ -199,38 +254,37 @@ static PyObject *copier_copy(PageCopier *self, PyObject *args) {
         PyBuffer_Release(&src);
         return NULL;
     }
-    PyObject *result = NULL;
-    job_t job = {src.buf, dst.buf, src.len / 8, to_device ? &self->host : &self->device,
-                 to_device ? &self->device : &self->host, self->chunk, 0, self->num_kv,
-                 layer_lo, layer_hi};
-    Py_ssize_t bad;
+    int64_t *ids = NULL;
+    Py_ssize_t n = src.len / 8;
     if (src.len != dst.len) {
         PyErr_SetString(PyExc_ValueError, "src and dst: must have the same length");
-    } else if ((bad = first_outside(&job)) >= 0) {
+        goto done;
+    }
+    /* The ids are checked and copied from a private snapshot: with the GIL released,
+     * another thread could change the caller's arrays between the check and the copy. */
+    if ((ids = PyMem_Malloc(2 * (size_t)n * sizeof(int64_t) + 1)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(ids, src.buf, (size_t)n * sizeof(int64_t));
+    memcpy(ids + n, dst.buf, (size_t)n * sizeof(int64_t));
+    job_t job = {ids, ids + n, n, to_device ? &self->host : &self->device,
+                 to_device ? &self->device : &self->host, self->chunk, 0, self->num_kv,
+                 layer_lo, layer_hi};
+    if ((bad = first_outside(&job)) >= 0) {
         PyErr_Format(PyExc_IndexError, "pair %zd: page %lld -> %lld is outside the pools "
                      "(%zd -> %zd pages)", bad, (long long)job.src[bad],
                      (long long)job.dst[bad], job.from->pages, job.to->pages);
-    } else {
-        /* page-major where the destination's chunks of a page are adjacent and the job
-         * covers more than one of them */
-        int page_major = job.to->page != self->chunk &&
-                         (layer_hi - layer_lo > 1 || self->num_kv > 1);
-        /* NOTE: a small copy on the event loop keeps the GIL: letting go of it can cost
-         * the loop a switch interval before it comes back */
-        PyThreadState *saved = release ? PyEval_SaveThread() : NULL;
-        if (page_major)
-            copy_page_major(&job);
-        else
-            copy_layer_major(&job);
-        if (saved != NULL)
-            PyEval_RestoreThread(saved);
-        result = Py_NewRef(Py_None);
+        goto done;
     }
+    run_job(&job, self->chunk, release);
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(ids);
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     return result;
 }
-
 static PyMethodDef copier_methods[] = {
     {"copy", (PyCFunction)copier_copy, METH_VARARGS,
      "copy(src, dst, to_device, layer_lo, layer_hi, release_gil, /)\n--\n\n"

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-from aiohicache import KVSpec
+from aiohicache import ConfigError, CpuTransferEngine, KVSpec
 from aiohicache._native import REQUIRED
 from aiohicache.memory import DevicePool, HostPool
 from aiohicache.transfer import _native
@@ -41,7 +42,8 @@ def pools(spec: KVSpec, page_size: int, layout: str, seed: int) -> tuple[DeviceP
 
 def page_ids(kind: str, rng: np.random.Generator, *, src_pages: int,
              dst_pages: int) -> tuple[np.ndarray, np.ndarray]:
-    """(src, dst) of one copy: one run, several runs, scattered, or scattered with skips."""
+    """(src, dst) of one copy: one run, several runs, scattered, scattered with skips, or
+    with destinations repeated (the last pair wins, in both copies)."""
     n = int(rng.integers(1, min(src_pages, dst_pages) + 1))
     if kind == "run":
         a, b = rng.integers(0, src_pages - n + 1), rng.integers(0, dst_pages - n + 1)
@@ -50,6 +52,8 @@ def page_ids(kind: str, rng: np.random.Generator, *, src_pages: int,
     dst = rng.choice(dst_pages, n, replace=False)
     if kind == "runs":  # sorted ids: runs of various lengths on both sides
         src, dst = np.sort(src), np.sort(dst)
+    if kind == "repeats":
+        dst = rng.choice(max(1, n // 2), n)
     if kind == "skips":
         src[rng.random(n) < 0.3] = -1
         dst[rng.random(n) < 0.2] = -int(rng.integers(1, 1 << 40))
@@ -66,7 +70,7 @@ def numpy_copy(dev: DevicePool, host: HostPool, src: np.ndarray, dst: np.ndarray
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("spec_name", list(SPECS))
-@pytest.mark.parametrize("kind", ["run", "runs", "scattered", "skips"])
+@pytest.mark.parametrize("kind", ["run", "runs", "scattered", "skips", "repeats"])
 def test_native_and_numpy_copies_write_the_same_bytes(layout: str, page_size: int,
                                                       spec_name: str, kind: str) -> None:
     spec = SPECS[spec_name]
@@ -146,6 +150,62 @@ def test_a_pool_described_past_its_bytes_is_refused() -> None:
         copier.__init__(dev, fits, host, fits, 512, 2, 1)
 
 
+def test_a_copier_whose_init_failed_copies_nothing() -> None:
+    assert _native._MODULE is not None
+    dev, host = np.zeros(2048, np.uint8), np.zeros(2048, np.uint8)
+    fits, too_far = (0, 512, 1024, 2048, 2), (0, 512, 1024, 2048, 3)
+    copier = _native._MODULE.PageCopier.__new__(_native._MODULE.PageCopier)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        copier.copy(np.array([0]), np.array([1]), False, 0, 1, False)
+    with pytest.raises(ValueError, match="host: chunks reach past"):
+        copier.__init__(dev, fits, host, too_far, 512, 2, 1)
+    with pytest.raises(RuntimeError, match="not initialised"):  # not the refused geometry
+        copier.copy(np.array([0]), np.array([2]), False, 0, 1, False)
+    copier.__init__(dev, fits, host, fits, 512, 2, 1)  # a good one still can be given
+    dev[:512] = 7
+    copier.copy(np.array([0]), np.array([1]), False, 0, 1, False)
+    assert (host[512:1024] == 7).all() and not host[:512].any()
+
+
+def test_overlapping_pools_are_refused() -> None:
+    assert _native._MODULE is not None
+    memory = np.zeros(4096, np.uint8)
+    side = (0, 512, 1024, 2048, 2)
+    with pytest.raises(ValueError, match="overlap"):
+        _native._MODULE.PageCopier(memory[:2048], side, memory[1024:3072], side, 512, 2, 1)
+    _native._MODULE.PageCopier(memory[:2048], side, memory[2048:], side, 512, 2, 1)
+
+
+def test_pools_of_another_spec_or_page_size_are_refused() -> None:
+    dev, _ = pools(SPECS["mha-bf16"], 4, "page_first", 1)
+    _, other_page = pools(SPECS["mha-bf16"], 16, "page_first", 1)
+    _, other_spec = pools(SPECS["mla-576B"], 4, "page_first", 1)
+    for host in (other_page, other_spec):
+        with pytest.raises(ConfigError, match="spec and page size"):
+            _native.native_copier(dev, host)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_two_threads_copy_through_one_copier_at_once(layout: str) -> None:
+    spec = SPECS["mha-bf16"]
+    native_pools, numpy_pools = pools(spec, 16, layout, 5), pools(spec, 16, layout, 5)
+    copier = _native.native_copier(*native_pools)
+    assert copier is not None
+    loads = (np.arange(10), np.arange(10))           # host 0..9 -> device 0..9
+    writes = (np.arange(10, 20), np.arange(10, 20))  # device 10..19 -> host 10..19
+    threads = [threading.Thread(target=lambda ids=ids, to_device=to_device: [
+        copier.copy(*ids, to_device, 0, spec.num_layers, True) for _ in range(50)])
+        for ids, to_device in ((loads, True), (writes, False))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    numpy_copy(*numpy_pools, *loads, to_device=True, layers=(0, spec.num_layers))
+    numpy_copy(*numpy_pools, *writes, to_device=False, layers=(0, spec.num_layers))
+    for mine, theirs in zip(native_pools, numpy_pools, strict=True):
+        assert torch.equal(mine.data.view(torch.uint8), theirs.data.view(torch.uint8))
+
+
 def test_the_copier_keeps_the_pools_bytes_alive() -> None:
     dev, host = pools(SPECS["mha-bf16"], 4, "page_first", 3)
     expected = dev.data[:, :, 2].clone()
@@ -159,7 +219,8 @@ def test_the_copier_keeps_the_pools_bytes_alive() -> None:
 
 def test_the_native_copier_is_there_where_ci_requires_it() -> None:
     if REQUIRED:
-        assert _native.native_copier(*pools(SPECS["mha-bf16"], 4, "page_first", 1)) is not None
+        engine = CpuTransferEngine(*pools(SPECS["mha-bf16"], 4, "page_first", 1))
+        assert engine._native is not None, "the CPU engine does not use the C copier"
 
 
 def test_aiohicache_native_0_copies_with_numpy() -> None:

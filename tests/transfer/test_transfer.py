@@ -74,6 +74,34 @@ async def test_round_trip_device_host_device_is_bit_exact(
 
 
 @pytest.mark.usefixtures("copier")
+async def test_a_load_on_the_copy_thread_reports_each_layer_then_finishes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int | str] = []
+    layer_done, finish = TransferHandle._layer_done, TransferHandle._finish
+
+    def record_layer(handle: TransferHandle, layer: int) -> None:
+        seen.append(layer)
+        layer_done(handle, layer)
+
+    def record_finish(handle: TransferHandle, exc: BaseException | None = None) -> None:
+        seen.append("finished")
+        finish(handle, exc)
+    monkeypatch.setattr(TransferHandle, "_layer_done", record_layer)
+    monkeypatch.setattr(TransferHandle, "_finish", record_finish)
+    spec = SPECS["mha-bf16"]
+    engine = CpuTransferEngine(DevicePool(spec, num_pages=8, page_size=4),
+                               HostPool(spec, num_pages=8, page_size=4), inline_bytes=0)
+    try:
+        await engine.load(np.arange(4), np.arange(4)).wait()
+        assert seen == [*range(spec.num_layers), "finished"]
+        seen.clear()
+        await engine.write(np.arange(4), np.arange(4)).wait()
+        assert seen == ["finished"]  # writes report only the whole copy
+    finally:
+        await engine.aclose()
+
+
+@pytest.mark.usefixtures("copier")
 async def test_load_reports_layers_in_order_and_then_done() -> None:
     spec = SPECS["mha-bf16"]
     dev = DevicePool(spec, num_pages=8, page_size=4)
