@@ -104,14 +104,17 @@ async def stream_mooncake(path: PathLike, *, limit: int | None = None
     if limit == 0:
         return
     count, start, prev = 0, None, None
-    async for where, record in _stream_records(name):
-        with at(where):
-            start = number_field(record, "timestamp") if start is None else start
-            prev = _mooncake_request(record, start, prev)
-        yield prev
-        count += 1
-        if count == limit:
-            return
+    # NOTE: aclosing: leaving early (the limit) must close the file now, not when the
+    # abandoned generator is collected (after the loop has closed, under uvloop)
+    async with contextlib.aclosing(_stream_records(name)) as records:
+        async for where, record in records:
+            with at(where):
+                start = number_field(record, "timestamp") if start is None else start
+                prev = _mooncake_request(record, start, prev)
+            yield prev
+            count += 1
+            if count == limit:
+                return
 
 
 async def _stream_records(name: str) -> AsyncIterator[tuple[str, Record]]:
