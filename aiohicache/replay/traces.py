@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -117,7 +117,7 @@ async def stream_mooncake(path: PathLike, *, limit: int | None = None
                 return
 
 
-async def _stream_records(name: str) -> AsyncIterator[tuple[str, Record]]:
+async def _stream_records(name: str) -> AsyncGenerator[tuple[str, Record], None]:
     """``("file:line", object)`` per non-blank line of `name`, read a chunk at a time.
 
     NOTE: ``read1`` on the binary file, not ``read``: ``read(n)`` waits for n bytes or the
