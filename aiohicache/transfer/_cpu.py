@@ -19,7 +19,7 @@ from ..errors import ClosedError
 from ..memory import DevicePool, HostPool, PageIds
 from ._base import TransferHandle
 from ._copy import CopyPlan, as_words, copy_pages
-from ._geometry import check_copy
+from ._geometry import check_copy, layer_spans
 from ._native import native_copier
 
 __all__ = ("CpuTransferEngine", "copy_layer", "word_views")
@@ -125,11 +125,10 @@ class CpuTransferEngine:
         """Worker thread: copy (a load layer by layer, reporting each layer to the loop)."""
         try:
             copy = self._layers(src, dst, to_device)
-            if not to_device:
-                copy(0, self.device_pool.spec.num_layers, True)
-            for layer in range(self.device_pool.spec.num_layers if to_device else 0):
-                copy(layer, layer + 1, True)
-                handle.bridge.call_soon(handle._layer_done, layer)
+            for lo, hi in layer_spans(self.device_pool.spec.num_layers, to_device=to_device):
+                copy(lo, hi, True)
+                if to_device:
+                    handle.bridge.call_soon(handle._layer_done, lo)
         except Exception as exc:  # reported through the handle, never lost
             log.exception("page copy failed")
             handle.bridge.call_soon(handle._finish, exc)
