@@ -13,8 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..memory import DevicePool, HostPool, PageIds
-from ..transfer._copy import CopyPlan
-from ..transfer._cpu import copy_layer, word_views
+from ..transfer._cpu import numpy_layers, word_views
 from ..transfer._native import native_copier
 from ._core_sizes import GB, CoreSizes, spec_of
 
@@ -80,14 +79,9 @@ def _page_copy(device: DevicePool, host: HostPool, src_ids: PageIds, dst_ids: Pa
     native = native_copier(device, host) if copier == "native" else None
     if native is not None:
         return lambda: native.copy(src_ids, dst_ids, to_device, 0, layers, False)
-    device_words, host_words = word_views(device), word_views(host)
-    row_bytes = device_words[0][0].shape[1] * device_words[0][0].element_size()
-    plan = CopyPlan.build(src_ids, dst_ids, row_bytes=row_bytes)
-
-    def pages() -> None:
-        for layer in range(layers):
-            copy_layer(device_words, host_words, plan, layer, to_device=to_device)
-    return pages
+    copy = numpy_layers(word_views(device), word_views(host), src_ids, dst_ids,
+                        to_device=to_device)
+    return lambda: copy(0, layers, False)
 
 
 def _copy_case(device: DevicePool, host: HostPool, direction: Direction, pattern: Pattern,

@@ -22,7 +22,7 @@ from ._copy import CopyPlan, as_words, copy_pages
 from ._geometry import check_copy, layer_spans
 from ._native import native_copier
 
-__all__ = ("CpuTransferEngine", "copy_layer", "word_views")
+__all__ = ("CpuTransferEngine", "copy_layer", "numpy_layers", "word_views")
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,6 @@ class CpuTransferEngine:
         # that the event loop needs.
         self._device_words = word_views(device_pool)
         self._host_words = word_views(host_pool)
-        rows = self._device_words[0][0]
-        self._row_bytes = rows.shape[1] * rows.element_size()
-        """Bytes of one page of one layer's K or V: what a copy moves per page id."""
         self._native = native_copier(device_pool, host_pool)
         """The C copier (`_pagecopy.c`), or None: numpy copies by a `CopyPlan` instead."""
         self._load = _Stream("aiohicache-load")
@@ -112,13 +109,8 @@ class CpuTransferEngine:
         native = self._native
         if native is not None:
             return lambda lo, hi, release: native.copy(src, dst, to_device, lo, hi, release)
-        plan = CopyPlan.build(src, dst, row_bytes=self._row_bytes)
-
-        def copy(lo: int, hi: int, _: bool) -> None:
-            for layer in range(lo, hi):
-                copy_layer(self._device_words, self._host_words, plan, layer,
-                           to_device=to_device)
-        return copy
+        return numpy_layers(self._device_words, self._host_words, src, dst,
+                            to_device=to_device)
 
     def _run(self, src: PageIds, dst: PageIds, handle: TransferHandle,
              to_device: bool) -> None:
@@ -148,6 +140,19 @@ class CpuTransferEngine:
 
 
 WordViews = list[list[torch.Tensor]]
+
+
+def numpy_layers(device: WordViews, host: WordViews, src: PageIds, dst: PageIds, *,
+                 to_device: bool) -> Callable[[int, int, bool], None]:
+    """The numpy copy of one job, planned once: ``copy(lo, hi, _)`` copies layers
+    ``[lo, hi)`` (the GIL is let go of only inside numpy's large slice copies)."""
+    rows = device[0][0]  # one page of one layer's K or V: what a copy moves per page id
+    plan = CopyPlan.build(src, dst, row_bytes=rows.shape[1] * rows.element_size())
+
+    def copy(lo: int, hi: int, _: bool) -> None:
+        for layer in range(lo, hi):
+            copy_layer(device, host, plan, layer, to_device=to_device)
+    return copy
 
 
 def word_views(pool: DevicePool | HostPool) -> WordViews:
