@@ -69,10 +69,12 @@ def bench_core(quick: bool, as_json: bool, torch_threads: int, loop: str) -> Non
 
 @bench.command("storage")
 @click.option("--quick", is_flag=True, help="Small sizes: seconds, for smoke tests.")
-def bench_storage_cmd(quick: bool) -> None:
+@click.option("--in-flight", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Store calls in flight at once (1: each awaited before the next).")
+def bench_storage_cmd(quick: bool, in_flight: int) -> None:
     """File L3 vs raw sequential disk I/O of the same bytes; page-key hashing tokens/s."""
     from .bench.storage import run_storage_bench
-    click.echo(run_storage_bench(quick))
+    click.echo(run_storage_bench(quick, in_flight))
 
 
 @bench.command("redis")

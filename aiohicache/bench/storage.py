@@ -11,19 +11,22 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import platform
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
 import numpy as np
 
 from .._lagprobe import LoopLagProbe
+from ..errors import ConfigError
 from ..storage import _native
 from ..storage.base import PageFormat
 from ..storage.file import FileBackend
@@ -55,6 +58,9 @@ class StorageSizes:
     """Section 1: timed runs per case, each paired with the raw file back to back."""
     max_concurrency: int = 4
     """Section 1: the backend's I/O threads (its default)."""
+    in_flight: int = 1
+    """Section 1: backend calls in flight at once (1: each awaited before the next; a server
+    prefetching for several requests at once has more)."""
     hash_tokens: int = 1_000_000
     """Section 2: tokens hashed per run."""
     hash_page_sizes: tuple[int, ...] = (16, 64)
@@ -104,9 +110,12 @@ class StorageReport:
     hashing: list[HashRow]
 
 
-def run_storage_bench(quick: bool) -> str:
+def run_storage_bench(quick: bool, in_flight: int = 1) -> str:
     """Run both sections in a temporary directory under /tmp; return the report as text."""
-    return format_report(bench_storage(QUICK if quick else FULL))
+    if in_flight < 1:
+        raise ConfigError(f"in_flight must be >= 1, got {in_flight}")
+    sizes = dataclasses.replace(QUICK if quick else FULL, in_flight=in_flight)
+    return format_report(bench_storage(sizes))
 
 
 def bench_storage(sizes: StorageSizes = FULL, *, directory: str | None = None,
@@ -183,21 +192,40 @@ class _Case:
         keys, pages, buffers = self.keys[:num], self.pages[:num], self.buffers[:num]
         async with FileBackend(root, self.fmt, fsync=self.fsync,
                                max_concurrency=self.sizes.max_concurrency) as backend:
-            batch = self.sizes.batch
-            async with LoopLagProbe() as write_lag:
-                start = time.perf_counter()
-                for lo in range(0, num, batch):
-                    ok = await backend.set_from(keys[lo:lo + batch], pages[lo:lo + batch])
-                    _expect(all(ok), "set_from stored every page")
-                t_write = time.perf_counter() - start
-            async with LoopLagProbe() as read_lag:
-                start = time.perf_counter()
-                for lo in range(0, num, batch):
-                    ok = await backend.get_into(keys[lo:lo + batch], buffers[lo:lo + batch])
-                    _expect(all(ok), "get_into filled every buffer")
-                t_read = time.perf_counter() - start
+            async def write(lo: int, hi: int) -> None:
+                ok = await backend.set_from(keys[lo:hi], pages[lo:hi])
+                _expect(all(ok), "set_from stored every page")
+
+            async def read(lo: int, hi: int) -> None:
+                ok = await backend.get_into(keys[lo:hi], buffers[lo:hi])
+                _expect(all(ok), "get_into filled every buffer")
+
+            t_write, lag_write = await self._timed_calls(num, write)
+            t_read, lag_read = await self._timed_calls(num, read)
         _expect(buffers[-1] == pages[-1], "a page read back is the page written")
-        return t_write, t_read, write_lag.summary().p99_ms, read_lag.summary().p99_ms
+        return t_write, t_read, lag_write, lag_read
+
+    async def _timed_calls(self, num: int,
+                           call: Callable[[int, int], Awaitable[None]]) -> tuple[float, float]:
+        """Seconds to make `call` on every batch of `num` pages, `in_flight` at a time (each
+        of that many tasks awaits every in_flight-th batch in turn), and the loop's p99 lag.
+
+        Cancellation: the tasks are cancelled with the caller.
+        """
+        spans = [(lo, min(lo + self.sizes.batch, num))
+                 for lo in range(0, num, self.sizes.batch)]
+
+        async def lane(first: int) -> None:
+            for lo, hi in spans[first::self.sizes.in_flight]:
+                await call(lo, hi)
+
+        async with LoopLagProbe() as lag:
+            start = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for first in range(min(self.sizes.in_flight, len(spans))):
+                    tg.start_soon(lane, first)
+            seconds = time.perf_counter() - start
+        return seconds, lag.summary().p99_ms
 
     def _row(self, op: str, t_backend: np.ndarray, t_raw: np.ndarray,
              lag: np.ndarray) -> SpeedRow:
@@ -271,7 +299,8 @@ def format_report(report: StorageReport) -> str:
 
 def format_speed(sizes: StorageSizes, rows: list[SpeedRow], directory: str,
                  fsync: bool) -> str:
-    mode = "quick" if sizes == QUICK else "full" if sizes == FULL else "custom"
+    preset = dataclasses.replace(sizes, in_flight=1)
+    mode = "quick" if preset == QUICK else "full" if preset == FULL else "custom"
     policy = ("fsync on: each page (and its directory) vs the raw file once at its end"
               if fsync else "fsync off for both (writes land in the page cache)")
     return "\n".join([
@@ -282,7 +311,8 @@ def format_speed(sizes: StorageSizes, rows: list[SpeedRow], directory: str,
         f"   {policy}; reads hit the page cache for both",
         f"   reads: {_reader_name()}",
         f"   {sizes.run_bytes // _MIB} MiB per run into a fresh store, {sizes.batch} pages per "
-        f"call, {sizes.max_concurrency} I/O threads",
+        f"call, {sizes.in_flight} call{'s' if sizes.in_flight > 1 else ''} in flight, "
+        f"{sizes.max_concurrency} I/O threads",
         f"   ratio: median over {sizes.reps} back-to-back pairs of raw time / backend time, "
         f"target >= {_TARGET_RATIO} ('<': a miss)",
         "",
