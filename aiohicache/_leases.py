@@ -8,10 +8,14 @@ from .errors import PageError
 from .memory import PageAllocator, PageIds
 from .memory._allocator import has_repeats
 
-__all__ = ("ANONYMOUS", "Leases")
+__all__ = ("ANONYMOUS", "FREEING", "Leases")
 
 ANONYMOUS = -1
 """The owner of pages leased by `HiCache.allocate` (no fetch context)."""
+
+FREEING = -2
+"""The owner of pages `HiCache.free` gave back whose release waits for the next TP tick: no
+longer the caller's to commit, continue or free again, not yet the pool's to hand out."""
 
 
 class Leases:
@@ -30,23 +34,34 @@ class Leases:
         self.owner[pages] = owner
         self.count += len(pages)
 
-    def check(self, pages: PageIds) -> None:
-        """Raise `PageError` unless every page is leased, once."""
-        if not self.owner[pages].all() or (len(pages) > 1 and has_repeats(pages)):
+    def check(self, pages: PageIds, *, freeing: bool = False) -> None:
+        """Raise `PageError` unless every page is leased, once (with `freeing`: by a free
+        waiting for its tick; else to a user, not freed)."""
+        owners = self.owner[pages]
+        leased = owners == FREEING if freeing else (owners != 0) & (owners != FREEING)
+        if not leased.all() or (len(pages) > 1 and has_repeats(pages)):
             raise PageError("slots: pages not leased by allocate() (double free or foreign)")
 
     def check_owner(self, pages: PageIds, owner: int) -> None:
-        """Raise `PageError` unless every page is leased to `owner` or anonymously."""
+        """Raise `PageError` unless every page is leased to `owner` or anonymously, once."""
         owners = self.owner[pages]
         if len(pages) and not ((owners == owner) | (owners == ANONYMOUS)).all():
             raise PageError("slots: not leased by allocate() of this context or of the cache "
                             "(already committed, freed, or another request's?)")
+        if len(pages) > 1 and has_repeats(pages):
+            raise PageError("slots: name a page twice (each page of a commit once, in order)")
 
-    def release(self, pages: PageIds, *, free: bool) -> None:
-        """End the leases of `pages`; with `free`, give the pages back to the pool."""
+    def mark_freeing(self, pages: PageIds) -> None:
+        """`pages` (checked) are being freed at the next tick: nobody may use them until then."""
+        self.check(pages)
+        self.owner[pages] = FREEING
+
+    def release(self, pages: PageIds, *, free: bool, freeing: bool = False) -> None:
+        """End the leases of `pages` (with `freeing`: those `mark_freeing` took); with
+        `free`, give the pages back to the pool."""
         if len(pages) == 0:
             return
-        self.check(pages)
+        self.check(pages, freeing=freeing)
         self.owner[pages] = 0
         self.count -= len(pages)
         if free:

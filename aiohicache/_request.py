@@ -183,6 +183,8 @@ class Request:
         num_full = len(toks) // ps
         new_full = num_full - len(self.pages)
         all_pages = np.concatenate([self.pages, pages[:new_full]])
+        # again here: with TP this runs at a tick, after any free the caller queued before it
+        core.leases.check_owner(pages, self.owner)
         hashes = core.storage.keys(toks[:num_full * ps], self._path(), self.hashed) \
             if core.storage is not None else None
         # Insert before the leases end: if it raises, the pages are still leased, not lost.

@@ -249,11 +249,13 @@ class HiCache:
         """
         pages = self.device_pool.slots_to_pages(slots)
         leases = self._core.leases
-        leases.check(pages)
         if self._core.executor is None:
             leases.release(pages, free=True)
-        else:
-            self._core.executor.post(lambda: leases.release(pages, free=True))
+            return
+        # NOTE: marked now, not at the tick: until then a commit of these slots, a context
+        # continuing their partial page or a second free must fail as it would without TP
+        leases.mark_freeing(pages)
+        self._core.executor.post(lambda: leases.release(pages, free=True, freeing=True))
 
     # ------------------------------------------------------------------ observability
 

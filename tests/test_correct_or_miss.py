@@ -106,6 +106,33 @@ async def test_commit_refuses_slots_leased_by_another_context() -> None:
         await assert_clean(cache)
 
 
+@pytest.mark.parametrize("num_tokens", [8, 6], ids=["page-twice", "page-again-as-tail"])
+async def test_commit_refuses_slots_that_name_a_page_twice(num_tokens: int) -> None:
+    """Slots naming one page twice (a whole page again, or again as the partial tail) once
+    put a page in the tree that the context then freed: the next request to allocate it
+    overwrote the cached prefix. Now it is a `PageError` and nothing changes."""
+    cache = make_cache()
+    async with cache:
+        tokens = make_tokens(num_tokens)
+        async with cache.fetch(tokens) as hit:
+            slots = await hit.allocate(PS)
+            fill_kv(cache, slots, tokens[:PS])
+            twice = torch.cat([slots, slots[:num_tokens - PS]])
+            with pytest.raises(PageError, match="name a page twice"):
+                await hit.commit(tokens, twice)
+            assert hit.num_cached_tokens == 0
+            cache.check_invariants()
+        await assert_clean(cache)
+        await prefill(cache, make_tokens(PS * 3, seed=5))  # takes any page freed by mistake
+        async with cache.fetch(tokens) as hit:
+            assert hit.num_cached_tokens == 0  # nothing of the refused commit was cached
+        await prefill(cache, tokens)
+        async with cache.fetch(tokens) as hit:
+            assert hit.num_cached_tokens == PS * (num_tokens // PS)
+            assert_kv(cache, hit, tokens)
+        await assert_clean(cache)
+
+
 async def test_a_failing_insert_keeps_the_slots_leased_and_frees_them_on_exit(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Leases end only after `tree.insert` succeeded: a crash inside it loses no page."""

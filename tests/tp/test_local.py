@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiohicache import CapacityError, ConfigError, HiCache
+from aiohicache import CapacityError, ConfigError, HiCache, PageError
 from aiohicache.controller import page_format
 from aiohicache.distributed import TPGroup
 from aiohicache.errors import DivergenceError, RankTimeoutError
@@ -23,6 +23,7 @@ from aiohicache.storage import MemoryBackend
 from aiohicache.storage.faults import FaultyBackend
 
 from ..conftest import SPEC_MLA, fill_kv, make_config, make_tokens
+from ..test_cancellation import assert_kv
 
 RankFn = Callable[[int, HiCache], Awaitable[Any]]
 
@@ -176,6 +177,73 @@ async def test_a_rank_that_stops_calling_times_the_others_out() -> None:
             assert cache.stats().health == "failed"
 
     await on_ranks(caches, rank)
+
+
+# ------------------------------------------------------------------------------ misuse
+# With TP a call's effects wait for the next tick; `free` must still take effect at once for
+# the calls after it on the same rank, as it does without TP.
+
+async def test_commit_after_free_of_its_slots_is_refused_on_every_rank() -> None:
+    """It once inserted the freed pages into the tree (the free ran first at the tick), and
+    the next request to allocate them overwrote the cached prefix."""
+    caches = tp_caches(2, device_pages=8)
+    tokens, other = make_tokens(8), make_tokens(8, seed=3)
+
+    async def rank(r: int, cache: HiCache) -> None:
+        async with cache.fetch(tokens) as hit:
+            slots = await hit.allocate(8)
+            fill_kv(cache, slots, tokens)
+            cache.free(slots)
+            with pytest.raises(PageError, match="freed"):
+                await hit.commit(tokens, slots)
+        assert await serve(cache, other) == 0  # allocates the freed pages
+        assert await serve(cache, tokens) == 0  # the refused commit cached nothing
+        async with cache.fetch(tokens) as hit:
+            assert hit.num_cached_tokens == 8
+            assert_kv(cache, hit, tokens)
+
+    async with opened(caches):
+        await on_ranks(caches, rank)
+        assert_same(caches)
+
+
+async def test_allocate_after_free_of_the_partial_page_starts_a_fresh_page() -> None:
+    """`hit.allocate` once continued a partial page whose free was still waiting for its
+    tick: the page then went back to the pool while the context wrote into it."""
+    caches = tp_caches(2, device_pages=4)
+
+    async def rank(r: int, cache: HiCache) -> None:
+        async with cache.fetch(make_tokens(6)) as hit:
+            first = await hit.allocate(2)  # half a page
+            cache.free(first)
+            second = await hit.allocate(2)
+            others = await cache.allocate(cache.device_pool.num_slots - 4)  # the rest
+            assert not {int(s) // 4 for s in second} & {int(s) // 4 for s in others}
+            cache.free(others)
+        await serve(cache, make_tokens(4, seed=9))  # a tick: the frees run
+
+    async with opened(caches):
+        await on_ranks(caches, rank)
+        assert_same(caches)
+        assert all(c.stats().device_pages_leased == 0 for c in caches)
+
+
+async def test_a_second_free_before_the_tick_is_a_double_free() -> None:
+    caches = tp_caches(2)
+
+    async def rank(r: int, cache: HiCache) -> None:
+        slots = await cache.allocate(8)
+        cache.free(slots)
+        with pytest.raises(PageError, match="double free"):
+            cache.free(slots)
+        with pytest.raises(PageError, match="double free"):
+            cache.free(slots[4:])
+        await serve(cache, make_tokens(4, seed=9))  # a tick: the first free runs, once
+
+    async with opened(caches):
+        await on_ranks(caches, rank)
+        assert_same(caches)
+        assert all(c.stats().device_pages_leased == 0 for c in caches)
 
 
 # ------------------------------------------------------------------------------ cancellation
