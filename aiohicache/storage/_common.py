@@ -3,6 +3,7 @@ threads."""
 
 from __future__ import annotations
 
+import operator
 import re
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -47,12 +48,14 @@ def check_keys(keys: Sequence[str]) -> None:
 
 
 _HEX_DIGITS = b"0123456789abcdef"
+_READONLY = operator.attrgetter("readonly")
 
 
 def check_buffers(fmt: PageFormat, keys: Sequence[str], buffers: Sequence[memoryview], *,
                   to_fill: bool = False) -> list[memoryview]:
     """Byte views of `buffers`, after checking there is one of `fmt.payload_bytes` per key
-    (and, `to_fill`: buffers the call writes into, that no two of them overlap)."""
+    (and, `to_fill`: buffers the call writes into, that each is writable and no two of them
+    overlap)."""
     check_keys(keys)
     if len(buffers) != len(keys):
         raise ConfigError(f"buffers: got {len(buffers)} for {len(keys)} keys")
@@ -62,6 +65,9 @@ def check_buffers(fmt: PageFormat, keys: Sequence[str], buffers: Sequence[memory
         bad = next(view for view in views if len(view) != fmt.payload_bytes)
         raise ConfigError(f"buffers: each must be {fmt.payload_bytes} bytes "
                           f"(the page format), got {len(bad)}")
+    if to_fill and any(map(_READONLY, views)):  # else the I/O fails as if the disk did
+        bad_i = next(i for i, view in enumerate(views) if view.readonly)
+        raise ConfigError(f"buffers[{bad_i}]: is read-only; get_into needs writable buffers")
     # NOTE: two keys filling one buffer would both be reported filled, the buffer holding
     # only the second's page: a wrong-KV hit for the first
     if to_fill and (pair := first_overlap(views)) is not None:

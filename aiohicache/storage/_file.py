@@ -199,6 +199,8 @@ class FileBackend(_FileUpkeep):
         propagates.
         """
         views = check_buffers(self.fmt, keys, buffers)
+        if len(set(keys)) < len(keys):  # NOTE: C-level; rare, so the set only
+            return await self._set_once(keys, views)
         await self._start()
         # the first page the newest: after a restart, too, a chain is evicted from its tail
         first = self._index.stamps(len(keys))
@@ -210,6 +212,15 @@ class FileBackend(_FileUpkeep):
         await self._batch(keys, stored, runs, failed, StorageWriteError, "write")
         await finish_then_cancel(self._maybe_compact())
         return stored
+
+    async def _set_once(self, keys: Sequence[str], views: list[memoryview]) -> list[bool]:
+        """`set_from` of a batch naming a key twice: its last buffer is stored, as a dict
+        (and Redis) would. NOTE: written as given, the journals (latest stamp wins, the first
+        page the newest) would serve the first buffer, and this instance the last."""
+        last = {key: i for i, key in enumerate(keys)}
+        stored = await self.set_from(list(last), [views[i] for i in last.values()])
+        by_key = dict(zip(last, stored, strict=True))
+        return [by_key[key] for key in keys]
 
     async def delete(self, keys: Sequence[str]) -> int:
         """Remove `keys` (a delete entry each, in this instance's journal); return how many

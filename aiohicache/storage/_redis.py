@@ -30,7 +30,6 @@ from ._common import check_buffers, check_keys
 from ._redis_parts import (
     Blob,
     check_settings,
-    check_writable,
     client,
     copy_payloads,
     encode_objects,
@@ -258,7 +257,6 @@ class RedisBackend:
         """
         names = self._names(keys)
         views = check_buffers(self.fmt, keys, buffers, to_fill=True)
-        check_writable(views)
         with self._translate(StorageReadError, "get"):
             blobs: list[Blob] = []
             for lo, hi in self._page_ranges(len(names)):

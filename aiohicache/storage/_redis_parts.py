@@ -16,7 +16,7 @@ from .._validate import check_int, check_number
 from ..errors import ConfigError
 from .base import HEADER_SIZE, PageFormat, decode_page, encode_header
 
-__all__ = ("CLUSTER_SCHEMES", "SCHEMES", "Blob", "check_settings", "check_writable", "client",
+__all__ = ("CLUSTER_SCHEMES", "SCHEMES", "Blob", "check_settings", "client",
            "copy_payloads", "encode_objects", "leading_true", "redact", "verify")
 
 SCHEMES: Final = ("redis", "rediss", "unix")
@@ -52,13 +52,6 @@ def encode_objects(fmt: PageFormat, keys: Sequence[str],
         np.copyto(obj[HEADER_SIZE:], np.frombuffer(view, np.uint8))
         objects.append(obj.data)
     return objects
-
-
-def check_writable(views: list[memoryview]) -> None:
-    """Raise `ConfigError` naming the first read-only buffer (`get_into` writes them)."""
-    for i, view in enumerate(views):
-        if view.readonly:
-            raise ConfigError(f"buffers[{i}]: is read-only; get_into needs writable buffers")
 
 
 def leading_true(replies: list[object]) -> int:

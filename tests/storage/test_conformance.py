@@ -399,6 +399,31 @@ async def test_buffers_to_fill_must_not_overlap(case: Case) -> None:
     await case.set(keys[1:], [make_page(keys[0])] * 2, via=case.store.backend)
 
 
+async def test_buffers_to_fill_must_be_writable(case: Case) -> None:
+    """A read-only buffer is bad input, not a failing disk (no error counted)."""
+    keys = make_keys(2)
+    await setup(case, keys)
+    errors = case.store.backend.stats().errors
+    with pytest.raises(ConfigError, match=r"buffers\[1\]: is read-only"):
+        await case.backend.get_into(keys, [memoryview(bytearray(PAYLOAD)),
+                                           memoryview(bytes(PAYLOAD))])
+    assert case.store.backend.stats().errors == errors
+
+
+async def test_a_key_twice_in_one_write_keeps_its_last_buffer(case: Case) -> None:
+    """As a dict (and Redis) would: here, in another instance and after a restart alike."""
+    keys = make_keys(3)
+    twice = [keys[0], keys[1], keys[0], keys[2]]
+    pages = [make_page(keys[0]), make_page(keys[1]), make_page(keys[0], version=1),
+             make_page(keys[2])]
+    assert await case.set(twice, pages, via=case.store.backend) == [True] * 4
+    want = [make_page(keys[0], version=1), make_page(keys[1]), make_page(keys[2])]
+    assert await case.get(keys, via=case.store.backend) == want
+    if case.store.reopen is not None:
+        async with case.store.reopen() as second:
+            assert await case.get(keys, via=second) == want
+
+
 async def test_a_closed_backend_raises_closed_error(case: Case) -> None:
     backend: StorageBackend = case.store.backend
     await backend.aclose()
