@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import _native
-from ._journal import PUT, Entry, segment_path
+from ._journal import PUT, Entry, read_log, segment_path
 from .base import HEADER_SIZE, PageFormat, encode_header, key_id, pack_header
 
-__all__ = ("Appender", "compact", "write_run")
+__all__ = ("Appender", "compact", "lock_segment", "write_run")
 
 
 @dataclass(slots=True, eq=False)
@@ -35,6 +35,8 @@ class _Lane:
     sealed: bool = False
     """No more appends: closed once it is not busy."""
     logged: bool = False
+    log_bytes: int = 0
+    """Bytes of whole entries in its journal (what a failed append is cut back to)."""
 
 
 class Appender:
@@ -86,6 +88,12 @@ class Appender:
         try:
             if entries:
                 self._append(lane, entries)
+        except BaseException:
+            with self._lock:  # NOTE: no more appends after a failed one (see _append)
+                lane.sealed = True
+                if lane in self._lanes:
+                    self._lanes.remove(lane)
+            raise
         finally:
             with self._lock:
                 lane.busy = False
@@ -122,7 +130,15 @@ class Appender:
         data = b"".join(entry.pack() for entry in entries)
         written = os.write(lane.log_fd, data)  # O_APPEND: one write lands whole at the end
         if written != len(data):
-            raise OSError(errno.EIO, f"journal write was short ({written} of {len(data)})")
+            # NOTE: a disk that filled up mid-write leaves part of an entry: every entry
+            # after it would sit off the entry grid, unreadable. Cut it back (the entries
+            # of this call are not journaled, as the caller is told); the lane is sealed
+            # either way, so nothing is appended after a part that stays.
+            with contextlib.suppress(OSError):
+                os.ftruncate(lane.log_fd, lane.log_bytes)
+            raise OSError(errno.ENOSPC, f"journal write was short ({written} of {len(data)} "
+                          "bytes)")
+        lane.log_bytes += written
         lane.logged = True
         if self.fsync:
             os.fsync(lane.log_fd)
@@ -216,34 +232,43 @@ def _pwritev_all(fd: int, iov: list[bytes | memoryview], offset: int) -> None:
         done += os.pwrite(fd, flat[done:], offset + done)
 
 
-def compact(appender: Appender, victim: int, moves: Sequence[Entry],
-            keep: Sequence[Entry]) -> list[Entry] | None:
-    """Copy the live records `moves` (all in segment `victim`) into an active segment,
-    journal them and `keep` (the victim journal's winning entries that point elsewhere), then
-    remove the victim's journal and segment.
+def lock_segment(root: str, seg_id: int) -> tuple[int, list[Entry]] | None:
+    """Lock a sealed segment for compaction: its open fd (holding the lock; the caller
+    closes it) and its whole journal, read under the lock (its writer is done with both).
 
-    Returns:
-        The new entries of `moves` (same keys and stamps, new places), or None if another
-        process holds the victim's lock (it is compacting it, or still writing it).
+    Returns None if the segment is gone or another process holds its lock (it is compacting
+    it, or still writing it).
     """
-    root = appender.root
     try:
-        fd = os.open(segment_path(root, victim), os.O_RDONLY)
+        fd = os.open(segment_path(root, seg_id), os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return None
-        moved = _copy_records(appender, fd, moves)
-        appender.log(keep)
-        for suffix in ("log", "seg"):  # the journal first: a segment alone is an orphan
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(segment_path(root, victim, suffix))
-        return moved
-    finally:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd, read_log(root, seg_id)
+    except BlockingIOError:
         os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def compact(appender: Appender, fd: int, victim: int, moves: Sequence[Entry],
+            keep: Sequence[Entry]) -> list[Entry]:
+    """Copy the live records `moves` (all in segment `victim`, open and locked as `fd`) into
+    an active segment, journal them and `keep` (the victim journal's winning entries that
+    point elsewhere), then remove the victim's journal and segment.
+
+    Returns:
+        The new entries of `moves` (same keys and stamps, new places).
+    """
+    moved = _copy_records(appender, fd, moves)
+    appender.log(keep)
+    for suffix in ("log", "seg"):  # the journal first: a segment alone is an orphan
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(segment_path(appender.root, victim, suffix))
+    return moved
 
 
 def _copy_records(appender: Appender, fd: int, moves: Sequence[Entry]) -> list[Entry]:

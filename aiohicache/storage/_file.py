@@ -98,7 +98,8 @@ class FileBackend(_FileUpkeep):
         self._appender = _appender.Appender(self.root_dir, segment_bytes=segment_bytes,
                                             fsync=fsync)
         self._busy: dict[int, float] = {}
-        self._touched: dict[str, None] = {}
+        self._touched: dict[str, int] = {}
+        """Keys read since the last journaled touch -> when (ns), in the order of reads."""
         self._last_refresh = 0.0
         self._executor: ThreadPoolExecutor | None = None
         self._stats = BackendStats()

@@ -19,6 +19,9 @@ __all__ = ("SegmentIndex",)
 
 _DELETED_MEMORY: Final = 1 << 16
 """Delete stamps remembered, so an older entry read later does not bring a key back."""
+_GONE_MEMORY: Final = 1 << 12
+"""Segments this instance compacted away, remembered so a look at the directory that began
+before their files went does not bring them back."""
 
 
 class SegmentIndex:
@@ -43,6 +46,10 @@ class SegmentIndex:
         self.last_stamp = 0
         self.may_compact = False
         """A record died since the last look for a compaction victim."""
+        self.compacting: set[int] = set()
+        """Segments this instance is compacting: a look at the journals that finds them gone
+        leaves their keys bound (`repoint` moves them)."""
+        self.gone: OrderedDict[int, None] = OrderedDict()
         self._on_drop = on_drop
 
     def __contains__(self, key: str) -> bool:
@@ -79,9 +86,11 @@ class SegmentIndex:
             self.may_compact = True
         return old
 
-    def tombstone(self, old: Entry) -> Entry:
-        """The delete entry that kills `old`'s record, and remember it was deleted."""
-        stamp = max(self.stamp(), old.stamp + 1)
+    def tombstone(self, old: Entry, *, now: bool = True) -> Entry:
+        """The delete entry that kills `old`'s record, and remember it was deleted. Stamped
+        now, or (not `now`: a record found damaged) just after `old`, so a good record that
+        another instance stored meanwhile, unseen here, still wins."""
+        stamp = max(self.stamp(), old.stamp + 1) if now else old.stamp + 1
         self.deleted[old.key] = stamp
         self.deleted.move_to_end(old.key)
         while len(self.deleted) > _DELETED_MEMORY:
@@ -96,7 +105,7 @@ class SegmentIndex:
         """Merge one entry read from a journal: the latest stamp wins. True if it changed
         the index."""
         current = self.entries.get(entry.key)
-        if current is not None and current.stamp > entry.stamp:
+        if current is not None and (current.stamp > entry.stamp or current == entry):
             return False
         if entry.kind == PUT:
             if current is None and self.deleted.get(entry.key, -1) >= entry.stamp:
@@ -127,8 +136,9 @@ class SegmentIndex:
         """Merge what other processes journaled since the last look; segments of `before`
         (known when the look began) that are gone were compacted or removed."""
         for seg_id, size in scan.segments.items():
-            self.sizes[seg_id] = max(size, self.sizes.get(seg_id, 0))
-        for seg_id in before - set(scan.segments):
+            if seg_id not in self.gone:  # listed before this instance removed it
+                self.sizes[seg_id] = max(size, self.sizes.get(seg_id, 0))
+        for seg_id in before - set(scan.segments) - self.compacting:
             self.drop_segment(seg_id)
         self.read_to = scan.read_to
         for entry in scan.in_stamp_order():
@@ -157,7 +167,14 @@ class SegmentIndex:
     def compaction_plan(self, victim: int, log: Sequence[Entry]
                         ) -> tuple[list[Entry], list[Entry]]:
         """What compacting `victim` moves (its live records, in file order) and keeps (the
-        entries of its journal that still win and point elsewhere)."""
+        entries of its journal that still win and point elsewhere).
+
+        `log` is the victim's whole journal, read once its writer is done with it: merged
+        first, so a record this index has not seen yet (another process wrote it since the
+        last look) is moved too, not lost with the segment.
+        """
+        for entry in sorted(log, key=lambda e: e.stamp):
+            self.apply(entry)
         moves = sorted((e for e in self.entries.values() if e.seg_id == victim),
                        key=lambda e: e.offset)
         keep = [e for e in log if e.seg_id != victim and e.seg_id in self.sizes and (
@@ -167,12 +184,17 @@ class SegmentIndex:
 
     def repoint(self, victim: int, moves: Sequence[Entry], moved: Sequence[Entry]) -> None:
         """Re-point the keys compaction moved (same LRU place and size), then drop
-        `victim`."""
+        `victim`. A key still bound to the record moved is re-pointed even if re-stamped
+        meanwhile (its recency journaled), keeping the newer stamp."""
         for old, new in zip(moves, moved, strict=True):
-            if self.entries.get(old.key) == old:
-                self.entries[old.key] = new
+            now = self.entries.get(old.key)
+            if now is not None and now.seg_id == victim and now.offset == old.offset:
+                self.entries[old.key] = new._replace(stamp=max(now.stamp, new.stamp))
                 self.live[victim] -= old.length
                 self.live[new.seg_id] = self.live.get(new.seg_id, 0) + new.length
                 self.sizes[new.seg_id] = max(self.sizes.get(new.seg_id, 0),
                                              new.offset + new.length)
         self.drop_segment(victim)
+        self.gone[victim] = None
+        while len(self.gone) > _GONE_MEMORY:
+            self.gone.popitem(last=False)

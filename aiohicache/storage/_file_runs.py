@@ -9,6 +9,7 @@ thread (`_reader.read_run`, `_appender.write_run`) and hands the result back (`f
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -81,9 +82,10 @@ class ReadRun:
             hits = self._sort(outcomes)
         store = self.store
         touched = store._touched  # the budget's order is touched once per batch, whole
+        now = time.time_ns()  # the touch's stamp: a delete made after this read still wins
         for key in reversed(hits):  # last read last; a batch's first page the most recent
             touched.pop(key, None)
-            touched[key] = None
+            touched[key] = now
         store._stats.pages_read += len(hits)
         store._stats.bytes_read += len(hits) * store.fmt.payload_bytes
 
@@ -110,7 +112,7 @@ class ReadRun:
         if index.entries.get(entry.key) == entry:  # else rewritten or moved meanwhile
             index.unbind(entry.key)
             if outcome is Outcome.CORRUPT:
-                self.batch.rejected.append(index.tombstone(entry))
+                self.batch.rejected.append(index.tombstone(entry, now=False))
         if outcome is Outcome.MISSING:
             stats.misses += 1
         else:

@@ -9,6 +9,7 @@ protocol, this keeps the store sound underneath.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -46,7 +47,7 @@ class _FileUpkeep:
     _queue: RunQueue
     _appender: _appender.Appender
     _busy: dict[int, float]
-    _touched: dict[str, None]
+    _touched: dict[str, int]
     _last_refresh: float
     _executor: ThreadPoolExecutor | None
     _stats: BackendStats
@@ -138,12 +139,25 @@ class _FileUpkeep:
             self._busy[victim] = time.monotonic()
 
     async def _compact(self, victim: int) -> list[Entry] | None:
-        log = await self._in_thread(_journal.read_log, self.root_dir, victim)
-        moves, keep = self._index.compaction_plan(victim, log)
-        moved = await self._in_thread(_appender.compact, self._appender, victim, moves, keep)
-        if moved is None:
+        """Move `victim`'s live records to an active segment and remove it; None if another
+        process holds it.
+
+        Cancellation: the caller's `finish_then_cancel` lets it end.
+        """
+        locked = await self._in_thread(_appender.lock_segment, self.root_dir, victim)
+        if locked is None:
             return None
-        self._index.repoint(victim, moves, moved)
+        fd, log = locked
+        index = self._index
+        index.compacting.add(victim)
+        try:
+            moves, keep = index.compaction_plan(victim, log)
+            moved = await self._in_thread(_appender.compact, self._appender, fd, victim,
+                                          moves, keep)
+        finally:
+            index.compacting.discard(victim)
+            os.close(fd)  # NOTE: after the thread ended (the caller waits for it)
+        index.repoint(victim, moves, moved)
         self._stats.extra["compactions"] = self._stats.extra.get("compactions", 0) + 1
         logger.debug("storage: compacted segment %016x (%d live records moved)", victim,
                      len(moved))
@@ -162,8 +176,11 @@ class _FileUpkeep:
             logger.debug("storage: journaling reads under %s: %s", self.root_dir, exc)
 
     async def _flush_touches(self, *, force: bool) -> None:
-        """Journal the recency of the pages read (re-bound with a new stamp), so a restart
-        keeps the LRU order; a few KiB per thousand pages read."""
+        """Journal the recency of the pages read (re-bound, stamped when read), so a restart
+        keeps the LRU order; a few KiB per thousand pages read.
+
+        NOTE: stamped when read, not now: a delete another instance made after the read
+        must still win (stamped now, the touch brought the page back)."""
         if not self._touched or (not force and len(self._touched) < _TOUCH_FLUSH):
             return
         touched, self._touched = self._touched, {}
@@ -172,14 +189,17 @@ class _FileUpkeep:
         # that order from its recent end, past the pages written since, stalled the loop
         # for 4-5 ms per flush in the default replay. (A page written after its last read
         # ranks by that read here: after a restart it may be evicted a little earlier.)
-        old = [entry for entry in map(index.entries.get, touched) if entry is not None]
+        old = list(map(index.entries.get, touched))
         # NOTE: the new entries are made and packed on the I/O thread: the loop's share of
         # a read page is a lookup here and an identity check below
-        new = await self._in_thread(_log_touches, self._appender, old, index.stamps(len(old)))
+        new, latest = await self._in_thread(_log_touches, self._appender, old,
+                                            list(touched.values()))
+        index.last_stamp = max(index.last_stamp, latest)
         entries = index.entries
         for was, now in zip(old, new, strict=True):
-            if entries.get(was.key) is was:  # still that record (not moved, nor rewritten)
-                entries[was.key] = now
+            if now is not None and entries.get(now.key) is was:  # not moved, nor rewritten
+                entries[now.key] = now
+
 
     # ---------------------------------------------------------------------------- plumbing
 
@@ -196,13 +216,16 @@ class _FileUpkeep:
         return await run_in_thread(self._executor, fn, *args)
 
 
-def _log_touches(appender: _appender.Appender, old: list[Entry], first: int) -> list[Entry]:
-    """Journal `old` re-bound with stamps from `first` on, oldest first (on an I/O thread);
-    the new entries."""
-    new = [Entry(e.key, e.kind, e.seg_id, e.offset, e.length, first + n)
-           for n, e in enumerate(old)]
-    appender.log(new)
-    return new
+def _log_touches(appender: _appender.Appender, old: list[Entry | None],
+                 times: list[int]) -> tuple[list[Entry | None], int]:
+    """Journal each entry of `old` re-bound at its read time (later than its stamp), in
+    order (on an I/O thread); the new entries (None where `old` is) and their latest stamp."""
+    new = [None if e is None else Entry(e.key, e.kind, e.seg_id, e.offset, e.length,
+                                        max(at, e.stamp + 1))
+           for e, at in zip(old, times, strict=True)]
+    written = [e for e in new if e is not None]
+    appender.log(written)
+    return new, max((e.stamp for e in written), default=0)
 
 
 def _scan_dir(root: str) -> tuple[_journal.JournalScan, int]:

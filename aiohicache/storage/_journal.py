@@ -112,8 +112,7 @@ def read_journals(root: str, read_to: dict[int, int],
     """
     os.makedirs(root, exist_ok=True)
     scan = JournalScan()
-    logs = _list(root, scan.segments)
-    for log_id in logs:
+    for log_id in _list(root):
         if log_id in skip:
             scan.read_to[log_id] = read_to.get(log_id, 0)
             continue
@@ -125,11 +124,16 @@ def read_journals(root: str, read_to: dict[int, int],
         scan.read_to[log_id] = start + whole
         if whole:
             scan.entries.append((log_id, unpack_entries(memoryview(data)[:whole])))
+    # NOTE: sized after the journals are read: an entry is written after its record, so
+    # every record an entry read names lies inside its segment's size now (sized first,
+    # a record landing meanwhile looked torn, and its entry, already read past, was lost)
+    _list(root, scan.segments)
     return scan
 
 
-def _list(root: str, segments: dict[int, int]) -> list[int]:
-    """The journal ids under `root`; fills `segments` with each segment's size."""
+def _list(root: str, segments: dict[int, int] | None = None) -> list[int]:
+    """The journal ids under `root`; fills `segments`, if given, with each segment's
+    size."""
     logs: list[int] = []
     with os.scandir(root) as entries:
         for entry in entries:
@@ -139,7 +143,7 @@ def _list(root: str, segments: dict[int, int]) -> list[int]:
             seg_id = int(match.group(1), 16)
             if match.group(2) == "log":
                 logs.append(seg_id)
-            else:
+            elif segments is not None:
                 with contextlib.suppress(FileNotFoundError):
                     segments[seg_id] = entry.stat().st_size
     return logs
