@@ -130,17 +130,17 @@ class StorageTier(TPResults):
         tail_pages = len(tokens) // ps - start
         if self._tg is None or tail_pages * ps < max(cfg.l3.prefetch_threshold, 1):
             return None
-        if not self._allow():
-            self.counters.bypassed += 1
-            return None
         keys = self.keys(tokens, path, hashed)
         first = keys[start]
+        # NOTE: a join or a negative hit asks the backend nothing: decided before the
+        # breaker is asked, so neither takes its half-open probe nor counts as a success
         if (job := self._inflight.get(first)) is not None:
             return job
         if self._misses.hit(first, self._now()):
             self.counters.negative_hits += 1
-            if not self.tp:
-                self.breaker.record_success()  # nothing was asked: release a half-open probe
+            return None
+        if not self._allow():
+            self.counters.bypassed += 1
             return None
         job = PrefetchJob(tokens[:len(tokens) // ps * ps], start, keys)
         job.held = [n for n in path if not n.on_device]
@@ -348,7 +348,9 @@ class StorageTier(TPResults):
                 ok[i] = bool(good)
             self.histograms.observe_store(len(pick) * self.config.page_bytes,
                                           time.perf_counter() - start)
-        self.breaker.record_success()
+            self.breaker.record_success()
+        else:  # another rank writes these (MLA): nothing was asked of the backend
+            self.breaker.release()
         return ok
 
     def _writes(self, key: bytes) -> bool:

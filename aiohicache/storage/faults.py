@@ -316,6 +316,12 @@ class Breaker:
         self._probe_at = now
         return True
 
+    def release(self) -> None:
+        """An allowed call did not reach the backend after all (nothing to send): in
+        half_open its probe goes to the next caller; nothing is counted."""
+        if self._state is BreakerState.HALF_OPEN:
+            self._probe_at = None
+
     def record_success(self) -> None:
         """A call succeeded: count from zero again; a probe's success closes the breaker."""
         if self.state is BreakerState.OPEN:

@@ -286,6 +286,50 @@ async def test_a_failing_backend_trips_the_breaker_and_l1_l2_keep_serving() -> N
         cache.check_invariants()
 
 
+async def miss(cache: HiCache, seed: int) -> None:
+    async with cache.fetch(make_tokens(16, seed=seed)) as hit:
+        assert hit.num_cached_tokens == 0
+
+
+async def test_a_prefix_l3_lacked_asks_nothing_and_leaves_the_breaker_probing() -> None:
+    """A negative-cache hit once counted as a success: it closed a half-open breaker whose
+    backend was still down."""
+    faulty = FaultyBackend(MemoryBackend(page_format(make_config(**L3))), seed=0)
+    cfg = make_config(storage=faulty, storage_failures_to_open=1, storage_cooldown=0.05,
+                      storage_miss_ttl=600.0, **L3)
+    async with HiCache(cfg) as cache:
+        tier = cache.storage
+        assert tier is not None
+        await miss(cache, 1)  # L3 lacks it: remembered
+        faulty.error_rate = 1.0  # the backend goes down
+        await miss(cache, 2)
+        assert tier.breaker.state == "open"
+        await asyncio.sleep(0.06)
+        assert tier.breaker.state == "half_open"
+        calls = faulty.inner.stats().exists_calls
+        await miss(cache, 1)  # remembered: nothing is asked
+        assert faulty.inner.stats().exists_calls == calls
+        assert tier.breaker.state == "half_open"
+        await miss(cache, 3)  # the probe: it fails
+        assert tier.breaker.state == "open" and tier.breaker.times_opened == 2
+
+
+async def test_prefixes_l3_lacked_do_not_reset_the_count_of_failures() -> None:
+    faulty = FaultyBackend(MemoryBackend(page_format(make_config(**L3))), seed=0)
+    cfg = make_config(storage=faulty, storage_failures_to_open=3, storage_cooldown=60.0,
+                      storage_miss_ttl=600.0, **L3)
+    async with HiCache(cfg) as cache:
+        tier = cache.storage
+        assert tier is not None
+        await miss(cache, 1)
+        faulty.error_rate = 1.0
+        for seed in range(2, 5):  # three failures in a row, a remembered miss after each
+            await miss(cache, seed)
+            await miss(cache, 1)
+        assert tier.breaker.state == "open"
+        assert cache.stats().storage["negative_hits"] >= 3  # type: ignore[index]
+
+
 async def test_cancelling_a_fetch_waiting_for_its_prefetch_leaves_the_cache_consistent(
         ) -> None:
     backend = MemoryBackend(page_format(make_config(**L3)))

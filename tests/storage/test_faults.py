@@ -108,6 +108,22 @@ def test_a_probe_never_reported_is_given_up_after_a_cooldown() -> None:
     assert breaker.allow()
 
 
+def test_a_probe_released_unused_goes_to_the_next_caller_and_counts_nothing() -> None:
+    clock = FakeClock()
+    breaker = make_breaker(clock)
+    for _ in range(3):
+        breaker.record_failure()
+    clock.now += 10.0
+    assert breaker.allow()  # the probe, but its caller had nothing to send
+    breaker.release()
+    assert breaker.state is HALF_OPEN  # not closed: nothing reached the backend
+    assert breaker.allow()
+    breaker.record_failure()
+    assert breaker.state is OPEN and breaker.times_opened == 2
+    breaker.release()  # not half-open: nothing to give back
+    assert breaker.state is OPEN and not breaker.allow()
+
+
 def test_late_outcomes_while_open_change_nothing() -> None:
     clock = FakeClock()
     breaker = make_breaker(clock)
