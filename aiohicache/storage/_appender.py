@@ -16,10 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import _native
-from ._journal import PUT, Entry, read_log, segment_path
+from ._journal import PUT, Entry, read_log_since, segment_path
 from .base import HEADER_SIZE, PageFormat, encode_header, key_id, pack_header
 
-__all__ = ("Appender", "compact", "lock_segment", "write_run")
+__all__ = ("Appender", "Locked", "compact", "lock_segment", "write_run")
+
+Locked = tuple[list[Entry], list[Entry]]
+"""A locked victim's journal: every entry, and those its compactor had not read."""
 
 
 @dataclass(slots=True, eq=False)
@@ -148,8 +151,22 @@ def _create_segment(root: str) -> _Lane:
     """A new locked segment and its journal; the directory is (re)made if missing.
 
     NOTE: the segment is created under a temp name and locked before it is renamed, so a
-    scanner never sees an unlocked segment without a journal that is not an orphan.
+    scanner never sees an unlocked segment without a journal that is not an orphan. Another
+    instance starting up may take the temp file for a dead writer's and remove it before
+    the lock is taken: then another is made.
     """
+    for _ in range(_CREATE_TRIES):
+        lane = _try_create_segment(root)
+        if lane is not None:
+            return lane
+    raise OSError(errno.EAGAIN, f"cannot create a segment under {root}: removed as an orphan "
+                  f"while being made, {_CREATE_TRIES} times")
+
+
+_CREATE_TRIES = 3
+
+
+def _try_create_segment(root: str) -> _Lane | None:
     seg_id = secrets.randbits(63)
     tmp = segment_path(root, seg_id, "seg.tmp")
     try:
@@ -158,8 +175,15 @@ def _create_segment(root: str) -> _Lane:
         os.makedirs(root, exist_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.rename(tmp, segment_path(root, seg_id))
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits out a scanner's probe of the lock
+        if os.fstat(fd).st_nlink == 0:  # removed as an orphan before it was locked
+            os.close(fd)
+            return None
+        try:
+            os.rename(tmp, segment_path(root, seg_id))
+        except FileNotFoundError:  # removed by a scanner that probed before the lock
+            os.close(fd)
+            return None
         log_fd = os.open(segment_path(root, seg_id, "log"),
                          os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
     except BaseException:
@@ -232,12 +256,14 @@ def _pwritev_all(fd: int, iov: list[bytes | memoryview], offset: int) -> None:
         done += os.pwrite(fd, flat[done:], offset + done)
 
 
-def lock_segment(root: str, seg_id: int) -> tuple[int, list[Entry]] | None:
+def lock_segment(root: str, seg_id: int, known: int) -> tuple[int, Locked] | None:
     """Lock a sealed segment for compaction: its open fd (holding the lock; the caller
-    closes it) and its whole journal, read under the lock (its writer is done with both).
+    closes it) and its journal, read under the lock (its writer is done with both): every
+    entry, and those past byte `known` (what the caller has not read).
 
-    Returns None if the segment is gone or another process holds its lock (it is compacting
-    it, or still writing it).
+    Returns None if the segment is gone (removed by another process's compaction, even
+    between the open and the lock) or another process holds its lock (it is compacting it,
+    or still writing it).
     """
     try:
         fd = os.open(segment_path(root, seg_id), os.O_RDONLY)
@@ -245,7 +271,10 @@ def lock_segment(root: str, seg_id: int) -> tuple[int, list[Entry]] | None:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd, read_log(root, seg_id)
+        if os.fstat(fd).st_nlink == 0:  # compacted and removed after our open
+            os.close(fd)
+            return None
+        return fd, read_log_since(root, seg_id, known)
     except BlockingIOError:
         os.close(fd)
         return None

@@ -317,16 +317,18 @@ class FileBackend(_FileUpkeep):
         of what that evicted (and of old records of pages that cannot fit at all)."""
         planned: list[int] = []
         deletes: list[Entry] = []
+        # NOTE: an overwrite keeps serving the old record until the new one is bound; only
+        # its bytes leave the budget now (they are replaced, not added to), all of the
+        # run's first, so none is evicted to make room for another page of the run
         for i in run:
-            # NOTE: an overwrite keeps serving the old record until the new one is bound;
-            # only its bytes leave the budget now (they are replaced, not added to).
             self._budget.pop(keys[i])
+        for i in run:
             evicted = self._budget.reserve(size)
             if evicted is None:  # it cannot fit at all: not stored (nor is the old one)
                 deletes += self._index.remove([keys[i]])
                 continue
             planned.append(i)
-            gone = self._index.remove(evicted)
+            gone = self._index.remove(evicted, evicted=True)
             deletes += gone
             self._stats.evicted_pages += len(gone)
         return planned, deletes

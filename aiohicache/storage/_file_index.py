@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 from ._common import LruBudget
-from ._journal import DELETE, PUT, Entry, JournalScan
+from ._journal import DELETE, PUT, TOUCH, Entry, JournalScan
 
 __all__ = ("SegmentIndex",)
 
@@ -77,6 +77,20 @@ class SegmentIndex:
             self.sizes[entry.seg_id] = end
         self.budget.add(entry.key, entry.length)
 
+    def bind_written(self, entry: Entry) -> bool:
+        """Bind a record this instance just wrote, unless a later write or delete of its key
+        (its stamp was taken when the write began) came first: then the record is dead on
+        arrival, as the journals say too. True if bound."""
+        current = self.entries.get(entry.key)
+        if (current is not None and current.stamp > entry.stamp) or \
+                self.deleted.get(entry.key, -1) > entry.stamp:
+            end = entry.offset + entry.length
+            self.sizes[entry.seg_id] = max(self.sizes.get(entry.seg_id, 0), end)
+            self.may_compact = True
+            return False
+        self.bind(entry)
+        return True
+
     def unbind(self, key: str) -> Entry | None:
         """Forget `key`'s record (it becomes dead space); the entry it had, if any."""
         old = self.entries.pop(key, None)
@@ -88,8 +102,9 @@ class SegmentIndex:
 
     def tombstone(self, old: Entry, *, now: bool = True) -> Entry:
         """The delete entry that kills `old`'s record, and remember it was deleted. Stamped
-        now, or (not `now`: a record found damaged) just after `old`, so a good record that
-        another instance stored meanwhile, unseen here, still wins."""
+        now, or (not `now`: a record evicted or found damaged) just after `old`, so a record
+        of the key written meanwhile (begun here, or stored by another instance unseen
+        here) still wins."""
         stamp = max(self.stamp(), old.stamp + 1) if now else old.stamp + 1
         self.deleted[old.key] = stamp
         self.deleted.move_to_end(old.key)
@@ -97,14 +112,23 @@ class SegmentIndex:
             self.deleted.popitem(last=False)
         return Entry(old.key, DELETE, old.seg_id, old.offset, old.length, stamp)
 
-    def remove(self, keys: Iterable[str]) -> list[Entry]:
-        """Unbind `keys`; the delete entries to journal for those that were bound."""
-        return [self.tombstone(old) for key in keys if (old := self.unbind(key)) is not None]
+    def remove(self, keys: Iterable[str], *, evicted: bool = False) -> list[Entry]:
+        """Unbind `keys`; the delete entries to journal for those that were bound. Deleted
+        (stamped now), or `evicted` (stamped just after the record evicted: an eviction
+        drops that record, not a write of the key already begun, here or elsewhere)."""
+        now = not evicted
+        return [self.tombstone(old, now=now) for key in keys
+                if (old := self.unbind(key)) is not None]
 
     def apply(self, entry: Entry) -> bool:
-        """Merge one entry read from a journal: the latest stamp wins. True if it changed
-        the index."""
+        """Merge one entry read from a journal: the latest stamp wins (a touch only moves
+        its key in the LRU order, if still bound to the record it read). True if it
+        changed the binding."""
         current = self.entries.get(entry.key)
+        if entry.kind == TOUCH:
+            if current is not None and _same_record(current, entry):
+                self.budget.touch(entry.key)
+            return False
         if current is not None and (current.stamp > entry.stamp or current == entry):
             return False
         if entry.kind == PUT:
@@ -164,23 +188,35 @@ class SegmentIndex:
             best, most = seg_id, dead
         return best
 
-    def compaction_plan(self, victim: int, log: Sequence[Entry]
+    def compaction_plan(self, victim: int, log: Sequence[Entry], unseen: Sequence[Entry]
                         ) -> tuple[list[Entry], list[Entry]]:
         """What compacting `victim` moves (its live records, in file order) and keeps (the
-        entries of its journal that still win and point elsewhere).
+        entries of its journal `log` that must outlive it).
 
-        `log` is the victim's whole journal, read once its writer is done with it: merged
-        first, so a record this index has not seen yet (another process wrote it since the
-        last look) is moved too, not lost with the segment.
+        `unseen`, the entries of `log` this index has not read (its writer appended them
+        since the last look), are merged first: their records are moved too, not lost with
+        the segment. (Not the whole log: a key deleted long ago, its delete forgotten,
+        would come back.)
         """
-        for entry in sorted(log, key=lambda e: e.stamp):
+        for entry in sorted(unseen, key=lambda e: e.stamp):
             self.apply(entry)
         moves = sorted((e for e in self.entries.values() if e.seg_id == victim),
                        key=lambda e: e.offset)
-        keep = [e for e in log if e.seg_id != victim and e.seg_id in self.sizes and (
-            self.entries.get(e.key) == e if e.kind == PUT
-            else self.deleted.get(e.key) == e.stamp)]
+        keep = [e for e in log if self._still_says(e, victim)]
         return moves, keep
+
+    def _still_says(self, entry: Entry, victim: int) -> bool:
+        """Whether `entry`, of the victim's journal, must outlive it: a delete that still
+        wins (even of a record in the victim: an older record of the key may live on in
+        another segment), or a binding or touch of a live record elsewhere."""
+        if entry.kind == DELETE:
+            return self.deleted.get(entry.key) == entry.stamp
+        if entry.seg_id == victim or entry.seg_id not in self.sizes:
+            return False
+        current = self.entries.get(entry.key)
+        if entry.kind == PUT:
+            return current == entry
+        return current is not None and _same_record(current, entry)
 
     def repoint(self, victim: int, moves: Sequence[Entry], moved: Sequence[Entry]) -> None:
         """Re-point the keys compaction moved (same LRU place and size), then drop
@@ -198,3 +234,7 @@ class SegmentIndex:
         self.gone[victim] = None
         while len(self.gone) > _GONE_MEMORY:
             self.gone.popitem(last=False)
+
+
+def _same_record(a: Entry, b: Entry) -> bool:
+    return a.seg_id == b.seg_id and a.offset == b.offset

@@ -109,7 +109,9 @@ class ReadRun:
 
     def _count_miss(self, entry: Entry, outcome: str) -> None:
         index, stats = self.store._index, self.store._stats
-        if index.entries.get(entry.key) == entry:  # else rewritten or moved meanwhile
+        # NOTE: gone from a segment this instance is compacting: moved, not lost
+        moving = outcome is Outcome.MISSING and entry.seg_id in index.compacting
+        if index.entries.get(entry.key) == entry and not moving:
             index.unbind(entry.key)
             if outcome is Outcome.CORRUPT:
                 self.batch.rejected.append(index.tombstone(entry, now=False))
@@ -147,7 +149,7 @@ class WriteRun:
         store = self.store
         self._release()
         for i, entry in zip(self.planned, entries, strict=True):
-            store._index.bind(entry)
+            store._index.bind_written(entry)  # stored, if maybe already overwritten or deleted
             self.stored[i] = True
         store._stats.pages_written += len(entries)
         store._stats.bytes_written += len(entries) * store.fmt.payload_bytes

@@ -22,7 +22,7 @@ from ..errors import ClosedError
 from . import _appender, _journal
 from ._common import LruBudget, RunQueue
 from ._file_index import SegmentIndex
-from ._journal import Entry
+from ._journal import TOUCH, Entry
 from .base import BackendStats
 from .errors import StorageError
 
@@ -79,7 +79,7 @@ class _FileUpkeep:
         try:
             scan, orphans = await self._in_thread(_scan_dir, self.root_dir)
             self._stats.extra["torn_entries"] = self._index.load(scan)
-            deletes = self._index.remove(self._budget.trim())
+            deletes = self._index.remove(self._budget.trim(), evicted=True)
             await self._in_thread(self._appender.log, deletes)
         except OSError as exc:
             raise StorageError(f"storage: cannot open the file store {self.root_dir}: "
@@ -144,14 +144,16 @@ class _FileUpkeep:
 
         Cancellation: the caller's `finish_then_cancel` lets it end.
         """
-        locked = await self._in_thread(_appender.lock_segment, self.root_dir, victim)
+        index = self._index
+        # NOTE: this instance's own journals are never read back: it knows them whole
+        known = 1 << 62 if victim in self._appender.created_ids() else index.read_to.get(victim, 0)
+        locked = await self._in_thread(_appender.lock_segment, self.root_dir, victim, known)
         if locked is None:
             return None
-        fd, log = locked
-        index = self._index
+        fd, (log, unseen) = locked
         index.compacting.add(victim)
         try:
-            moves, keep = index.compaction_plan(victim, log)
+            moves, keep = index.compaction_plan(victim, log, unseen)
             moved = await self._in_thread(_appender.compact, self._appender, fd, victim,
                                           moves, keep)
         finally:
@@ -176,29 +178,23 @@ class _FileUpkeep:
             logger.debug("storage: journaling reads under %s: %s", self.root_dir, exc)
 
     async def _flush_touches(self, *, force: bool) -> None:
-        """Journal the recency of the pages read (re-bound, stamped when read), so a restart
-        keeps the LRU order; a few KiB per thousand pages read.
+        """Journal the recency of the pages read (a touch entry each, stamped when read),
+        so a restart keeps the LRU order; a few KiB per thousand pages read.
 
-        NOTE: stamped when read, not now: a delete another instance made after the read
-        must still win (stamped now, the touch brought the page back)."""
+        NOTE: a touch only orders: it never re-binds a key, so neither a delete or
+        overwrite made after the read (here or by another instance) nor a compaction's
+        move of the record can be undone by it."""
         if not self._touched or (not force and len(self._touched) < _TOUCH_FLUSH):
             return
         touched, self._touched = self._touched, {}
-        index = self._index
         # NOTE: in the order of their last read, not looked up in the LRU order: walking
         # that order from its recent end, past the pages written since, stalled the loop
         # for 4-5 ms per flush in the default replay. (A page written after its last read
         # ranks by that read here: after a restart it may be evicted a little earlier.)
-        old = list(map(index.entries.get, touched))
-        # NOTE: the new entries are made and packed on the I/O thread: the loop's share of
-        # a read page is a lookup here and an identity check below
-        new, latest = await self._in_thread(_log_touches, self._appender, old,
-                                            list(touched.values()))
-        index.last_stamp = max(index.last_stamp, latest)
-        entries = index.entries
-        for was, now in zip(old, new, strict=True):
-            if now is not None and entries.get(now.key) is was:  # not moved, nor rewritten
-                entries[now.key] = now
+        read = list(map(self._index.entries.get, touched))
+        # NOTE: the entries are made and packed on the I/O thread: the loop's share of a
+        # read page is a lookup here
+        await self._in_thread(_log_touches, self._appender, read, list(touched.values()))
 
 
     # ---------------------------------------------------------------------------- plumbing
@@ -216,16 +212,12 @@ class _FileUpkeep:
         return await run_in_thread(self._executor, fn, *args)
 
 
-def _log_touches(appender: _appender.Appender, old: list[Entry | None],
-                 times: list[int]) -> tuple[list[Entry | None], int]:
-    """Journal each entry of `old` re-bound at its read time (later than its stamp), in
-    order (on an I/O thread); the new entries (None where `old` is) and their latest stamp."""
-    new = [None if e is None else Entry(e.key, e.kind, e.seg_id, e.offset, e.length,
-                                        max(at, e.stamp + 1))
-           for e, at in zip(old, times, strict=True)]
-    written = [e for e in new if e is not None]
-    appender.log(written)
-    return new, max((e.stamp for e in written), default=0)
+def _log_touches(appender: _appender.Appender, read: list[Entry | None],
+                 times: list[int]) -> None:
+    """Journal a touch of each record of `read` (None: no longer bound) at its read time, in
+    order (on an I/O thread)."""
+    appender.log([Entry(e.key, TOUCH, e.seg_id, e.offset, e.length, at)
+                  for e, at in zip(read, times, strict=True) if e is not None])
 
 
 def _scan_dir(root: str) -> tuple[_journal.JournalScan, int]:

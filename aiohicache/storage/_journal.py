@@ -6,7 +6,8 @@ Layout of a store directory::
                    one writer appended them; that writer holds an exclusive ``flock`` on it
                    while it may still append (a lock-free segment is sealed, or its writer died)
     <id>.log       the journal of that segment's writer: fixed-size entries, each binding a key
-                   to a record (segment id, offset, length) or deleting it, stamped with a time
+                   to a record (segment id, offset, length), deleting it, or noting a read of
+                   it (recency only), stamped with a time
     <id>.seg.tmp   a segment being created (renamed to .seg once locked)
 
 The journals are the index: the entry with the latest stamp wins for each key, wherever it
@@ -31,11 +32,15 @@ from typing import Final, NamedTuple
 
 import xxhash
 
-__all__ = ("DELETE", "ENTRY_SIZE", "PUT", "Entry", "JournalScan", "is_locked", "read_journals",
-           "read_log", "remove_orphans", "segment_path", "unpack_entries")
+__all__ = ("DELETE", "ENTRY_SIZE", "PUT", "TOUCH", "Entry", "JournalScan", "is_locked",
+           "read_journals", "read_log_since", "remove_orphans", "segment_path",
+           "unpack_entries")
 
 PUT: Final = 1
 DELETE: Final = 2
+TOUCH: Final = 3
+"""A read of the record named, at the stamp: recency only. It moves the key in the LRU
+order if the key is still bound to that record, and never binds, re-binds or outranks."""
 
 _ENTRY = struct.Struct("<4sBBHQQIIQ128s")
 _CHECK = struct.Struct("<Q")
@@ -75,7 +80,7 @@ def unpack_entries(data: bytes | memoryview) -> list[Entry]:
         if xxhash.xxh3_64_intdigest(fields) != check:
             continue
         magic, kind, key_len, _, seg_id, offset, length, _, stamp, key = _ENTRY.unpack(fields)
-        if magic == _MAGIC and kind in (PUT, DELETE) and 16 <= key_len <= 128:
+        if magic == _MAGIC and kind in (PUT, DELETE, TOUCH) and 16 <= key_len <= 128:
             out.append(Entry(key[:key_len].decode("ascii", "replace"), kind, seg_id, offset,
                              length, stamp))
     return out
@@ -149,12 +154,14 @@ def _list(root: str, segments: dict[int, int] | None = None) -> list[int]:
     return logs
 
 
-def read_log(root: str, log_id: int) -> list[Entry]:
-    """The valid entries of one journal (none if it is gone)."""
-    data = _read_from(segment_path(root, log_id, "log"), 0)
-    if data is None:
-        return []
-    return unpack_entries(memoryview(data)[:len(data) - len(data) % ENTRY_SIZE])
+def read_log_since(root: str, log_id: int, start: int) -> tuple[list[Entry], list[Entry]]:
+    """The valid entries of one journal (none if it is gone), and those of them past byte
+    `start` (what a reader that read up to `start` has not seen)."""
+    data = _read_from(segment_path(root, log_id, "log"), 0) or b""
+    whole = len(data) - len(data) % ENTRY_SIZE
+    start = min(max(start, 0), whole) // ENTRY_SIZE * ENTRY_SIZE
+    view = memoryview(data)
+    return unpack_entries(view[:whole]), unpack_entries(view[start:whole])
 
 
 def _read_from(path: str, start: int) -> bytes | None:

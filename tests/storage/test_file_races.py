@@ -1,0 +1,290 @@
+"""`FileBackend` calls racing each other, within one instance and across instances sharing a
+directory: whichever order they end in, this instance, another instance and a restart agree
+on what each key holds, a delete stays deleted, and a compaction loses nothing.
+
+A second review (2026-11-24) found each of these; every test failed before its fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from aiohicache.storage import FileBackend, _appender, _file_index
+from aiohicache.storage import _journal as seg
+
+from .conftest import FMT, make_keys
+from .test_file_sharing import (
+    OBJECT,
+    pages,
+    read,
+    served_after_restart,
+    slowed_compaction,
+    written,
+)
+
+real_write_run = _appender.write_run
+
+
+def slow_writes_of(key: str, seconds: float, times: int = 1 << 30) -> Callable[..., Any]:
+    """`write_run`, held `seconds` on its I/O thread for its first `times` runs with `key`."""
+    left = [times]
+
+    def write_run(appender: Any, fmt: Any, keys: list[str], *args: Any) -> Any:
+        if key in keys and left[0] > 0:
+            left[0] -= 1
+            time.sleep(seconds)
+        return real_write_run(appender, fmt, keys, *args)
+    return write_run
+
+
+# ---------------------------------------------------------------------------- writes
+
+async def test_a_delete_made_while_a_write_is_in_flight_wins_everywhere(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The write's stamp is taken when it begins: the delete is later, so the journals say
+    deleted. This instance once bound the write when it ended and served it, alone."""
+    k = make_keys(1, seed=7)
+    async with FileBackend(tmp_path, FMT) as store:
+        await store.set_from(k, pages(k))
+        monkeypatch.setattr(_appender, "write_run", slow_writes_of(k[0], 0.3))
+
+        async def delete_later() -> int:
+            await asyncio.sleep(0.1)
+            return await store.delete(k)
+        stored, deleted = await asyncio.gather(store.set_from(k, pages(k, version=1)),
+                                               delete_later())
+        monkeypatch.undo()
+        assert stored == [True] and deleted == 1
+        assert await store.exists(k) == 0 and await read(store, k) == [None]
+        async with FileBackend(tmp_path, FMT) as other:
+            assert await read(other, k) == [None]
+    assert await served_after_restart(tmp_path, k) == [None]
+
+
+async def test_two_writes_of_a_key_ending_out_of_order_agree_everywhere(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    k = make_keys(1, seed=7)
+    async with FileBackend(tmp_path, FMT) as store:
+        monkeypatch.setattr(_appender, "write_run", slow_writes_of(k[0], 0.3, times=1))
+
+        async def second() -> list[bool]:
+            await asyncio.sleep(0.1)
+            return await store.set_from(k, pages(k, version=2))
+        first, later = await asyncio.gather(store.set_from(k, pages(k, version=1)), second())
+        monkeypatch.undo()
+        assert first == later == [True]
+        assert await read(store, k) == written(k, version=2)  # the later write, though the
+        async with FileBackend(tmp_path, FMT) as other:  # first returned last
+            assert await read(other, k) == written(k, version=2)
+    assert await served_after_restart(tmp_path, k) == written(k, version=2)
+
+
+# ---------------------------------------------------------------------------- reads (touches)
+
+async def test_a_read_during_an_overwrite_does_not_bring_the_old_bytes_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of the old record ending while the overwrite was in flight was journaled as a
+    re-binding stamped after the overwrite began, and beat it on disk."""
+    k, others = make_keys(1, seed=7), make_keys(4095, seed=8)
+    async with FileBackend(tmp_path, FMT) as store:
+        await store.set_from(k + others, pages(k + others))
+        monkeypatch.setattr(_appender, "write_run", slow_writes_of(k[0], 0.4))
+
+        async def read_meanwhile() -> bytes | None:
+            await asyncio.sleep(0.1)
+            return (await read(store, k + others))[0]  # 4,096 pages: their reads journaled
+        stored, during = await asyncio.gather(store.set_from(k, pages(k, version=2)),
+                                              read_meanwhile())
+        monkeypatch.undo()
+        assert stored == [True] and during == written(k)[0]  # the write was in flight
+        async with FileBackend(tmp_path, FMT) as other:
+            assert await read(other, k) == written(k, version=2)
+    assert await served_after_restart(tmp_path, k) == written(k, version=2)
+
+
+async def test_a_read_of_a_page_another_instance_deleted_does_not_bring_it_back(
+        tmp_path: Path) -> None:
+    """An instance that has not looked since still reads its record (right bytes, stale
+    index); journaling that read once re-bound the key for every instance."""
+    k = make_keys(1, seed=7)
+    a = FileBackend(tmp_path, FMT)
+    try:
+        await a.set_from(k, pages(k))
+        async with FileBackend(tmp_path, FMT) as b:
+            assert await b.delete(k) == 1
+            assert await read(a, k) == written(k)  # no look: a key it has
+            await a.aclose()  # journals the read
+            await asyncio.sleep(b.refresh_interval)
+            assert await b.exists(make_keys(1, seed=5)) == 0  # B looks at A's journal
+            assert await read(b, k) == [None]
+    finally:
+        await a.aclose()
+    assert await served_after_restart(tmp_path, k) == [None]
+
+
+async def test_a_read_of_a_page_another_instance_overwrote_keeps_the_new_bytes(
+        tmp_path: Path) -> None:
+    k = make_keys(1, seed=7)
+    async with FileBackend(tmp_path, FMT) as a:
+        await a.set_from(k, pages(k))
+        async with FileBackend(tmp_path, FMT) as b:
+            await b.set_from(k, pages(k, version=2))
+        assert await read(a, k) == written(k)  # the old record, still whole
+    assert await served_after_restart(tmp_path, k) == written(k, version=2)
+
+
+# ---------------------------------------------------------------------------- compaction
+
+async def test_a_read_during_this_instances_compaction_keeps_the_moved_keys(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read found the victim gone, twice (the index not re-pointed yet), and unbound the
+    keys as lost; the compaction then skipped them."""
+    xs, others = make_keys(10, seed=1), make_keys(10, seed=2)
+    async with FileBackend(tmp_path, FMT, segment_bytes=10 * OBJECT,
+                           refresh_interval=0.0) as store:
+        for key in xs + others:
+            await store.set_from([key], pages([key]))
+        slowed_compaction(monkeypatch, 0.3)
+
+        async def read_meanwhile() -> list[bytes | None]:
+            await asyncio.sleep(0.1)  # the victim's files are gone by now
+            return await read(store, xs[6:])
+        _, during = await asyncio.gather(store.delete(xs[:6]), read_meanwhile())
+        monkeypatch.undo()
+        assert store.stats().extra["compactions"] == 1
+        assert all(page in (None, want) for page, want in zip(during, written(xs[6:]),
+                                                               strict=True))
+        assert await store.exists(xs[6:]) == 4
+        assert await read(store, xs[6:]) == written(xs[6:])
+    assert await served_after_restart(tmp_path, xs[6:]) == written(xs[6:])
+
+
+async def test_another_instance_that_read_the_pages_keeps_what_a_compaction_moved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """B's journaled reads had re-stamped the records, so B took A's moves (at the stamps A
+    knew) for older, read past them, and dropped the keys when the victim went."""
+    xs = make_keys(4200, seed=1)
+    async with FileBackend(tmp_path, FMT, max_concurrency=1) as writer:
+        await writer.set_from(xs, pages(xs))  # one sealed segment
+    real = _appender._copy_records
+
+    def copy_then_wait(*args: Any) -> Any:
+        moved = real(*args)  # the moves are journaled, the victim not removed yet
+        time.sleep(0.3)
+        return moved
+    async with FileBackend(tmp_path, FMT) as a:
+        assert await a.exists(xs[:1]) == 1
+        async with FileBackend(tmp_path, FMT, refresh_interval=0.0) as b:
+            assert await read(b, xs) == written(xs)  # 4,200 reads: journaled
+            monkeypatch.setattr(_appender, "_copy_records", copy_then_wait)
+
+            async def b_looks() -> None:
+                await asyncio.sleep(0.15)
+                assert await b.exists(make_keys(1, seed=99)) == 0
+            await asyncio.gather(a.delete(xs[:3000]), b_looks())
+            monkeypatch.undo()
+            assert a.stats().extra["compactions"] == 1
+            assert await read(b, xs[3000:]) == written(xs[3000:])
+            assert await b.exists(xs[3000:]) == 1200
+
+
+async def test_a_delete_of_a_record_in_the_compacted_segment_outlives_it(
+        tmp_path: Path) -> None:
+    """The delete named the victim, so compaction dropped it with the victim's journal, and
+    an older record of the key in another segment came back after a restart."""
+    k = make_keys(1, seed=7)
+    fill, gs, h = make_keys(9, seed=1), make_keys(9, seed=2), make_keys(1, seed=3)
+    async with FileBackend(tmp_path, FMT, max_concurrency=1,
+                           segment_bytes=10 * OBJECT) as store:
+        for key in fill + k:  # S1: 9 pages and K v1
+            await store.set_from([key], pages([key]))
+        await store.set_from(k, pages(k, version=2))  # S2: K v2 (K v1 dead in S1)
+        assert await store.delete(k) == 1  # names S2, journaled in S2's journal
+        for key in gs:
+            await store.set_from([key], pages([key]))
+        await store.set_from(h, pages(h))  # S2 sealed
+        assert await store.delete(gs[:5]) == 5  # S2 mostly dead: compacted
+        assert store.stats().extra["compactions"] == 1
+        assert await read(store, k) == [None]
+    assert await served_after_restart(tmp_path, k) == [None]
+
+
+async def test_a_compaction_does_not_bring_back_a_key_whose_delete_was_forgotten(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compaction merged the victim's whole journal: the old binding of a key deleted
+    long ago (its delete gone from the bounded memory) bound it again."""
+    monkeypatch.setattr(_file_index, "_DELETED_MEMORY", 4)
+    k = make_keys(1, seed=7)
+    fill, h = make_keys(9, seed=1), make_keys(1, seed=3)
+    async with FileBackend(tmp_path, FMT, max_concurrency=1,
+                           segment_bytes=10 * OBJECT) as store:
+        for key in k + fill:  # S1: K and 9 pages
+            await store.set_from([key], pages([key]))
+        await store.set_from(h, pages(h))  # S1 sealed
+        assert await store.delete(k) == 1
+        assert await store.delete(fill[:5]) == 5  # K's delete forgotten; S1 compacted
+        assert store.stats().extra["compactions"] == 1
+        assert await read(store, k) == [None]
+
+
+async def test_a_segment_removed_between_open_and_lock_is_not_compacted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another instance compacted and removed it in that window: locking the removed inode
+    succeeded, its journal read empty, and this instance moved what its stale index bound,
+    at the old stamps (bringing back what the other had deleted since)."""
+    xs = make_keys(10, seed=1)
+    async with FileBackend(tmp_path, FMT, max_concurrency=1) as writer:
+        await writer.set_from(xs, pages(xs))
+        victim = writer._index.entries[xs[0]].seg_id
+    async with FileBackend(tmp_path, FMT) as store:
+        assert await store.exists(xs) == 10
+        path = seg.segment_path(str(tmp_path), victim)
+        monkeypatch.setattr(_appender, "os", removed_after_open(path))
+        assert await store._compact(victim) is None
+        monkeypatch.undo()
+        assert segments(tmp_path) == []  # it is gone, and nothing was moved
+
+
+def segments(root: Path) -> list[Path]:
+    return [p for p in root.iterdir() if p.suffix == ".seg"]
+
+
+def removed_after_open(path: str) -> SimpleNamespace:
+    """`os`, but the segment at `path` and its journal are removed (another instance's
+    compaction ends) right after the segment is opened."""
+    def open_(name: str, flags: int, *args: Any) -> int:
+        fd = os.open(name, flags, *args)
+        if name == path:
+            os.unlink(path)
+            os.unlink(path[:-len("seg")] + "log")
+        return fd
+    return SimpleNamespace(**{**vars(os), "open": open_})
+
+
+# ---------------------------------------------------------------------------- segments
+
+async def test_a_segment_whose_temp_file_a_starting_instance_removed_is_made_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A starting instance took the temp file of a segment being made for a dead writer's
+    and removed it before the maker locked it: the write failed."""
+    k = make_keys(4, seed=1)
+    removed: list[int] = []
+
+    def flock(fd: int, op: int) -> None:
+        if not removed:  # the first segment's lock: a start removes orphans first
+            removed.append(seg.remove_orphans(str(tmp_path), [], []))
+        fcntl.flock(fd, op)
+    monkeypatch.setattr(_appender, "fcntl", SimpleNamespace(**{**vars(fcntl), "flock": flock}))
+    async with FileBackend(tmp_path, FMT) as store:
+        assert await store.set_from(k, pages(k)) == [True] * 4
+        assert removed == [1]
+        assert await read(store, k) == written(k)
