@@ -22,7 +22,7 @@ import anyio.to_thread
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from .._concurrency import finish_then_cancel
 from ..errors import ClosedError, ConfigError
@@ -338,7 +338,7 @@ class RedisBackend:
         """Raise `error` (naming the server, never its credentials) for a Redis failure."""
         try:
             yield
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
             self._stats.errors += 1
             log.debug("redis %s on %s failed: %r", what, self.url, exc)
             raise error(f"redis {what} on {self.url} failed: {type(exc).__name__}: {exc}") \

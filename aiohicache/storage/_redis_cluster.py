@@ -15,7 +15,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.connection import parse_url
-from redis.exceptions import ClusterDownError, RedisError, TryAgainError
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -31,6 +31,9 @@ log = logging.getLogger("aiohicache.storage.redis")
 _NODE_ERRORS = (ConnectionError, TimeoutError, OSError, RedisConnectionError, RedisTimeoutError,
                 ClusterDownError, TryAgainError)
 """Errors that mean a node (not a command) failed."""
+_CLIENT_ERRORS = (RedisError, RedisClusterException, OSError)
+"""Errors of the client for a failed call (`RedisClusterException`, no seed reachable or
+no slot map, is not a `RedisError`)."""
 
 
 class RedisClusterBackend(RedisBackend):
@@ -56,6 +59,8 @@ class RedisClusterBackend(RedisBackend):
     """
 
     def _connect(self, url: str, **settings: float) -> Redis | RedisCluster:
+        self._node_limit = int(settings["max_connections"])
+        self._node_slots: dict[str, anyio.Semaphore] = {}
         return cluster_client(url, self.url, **settings)  # type: ignore[arg-type]
 
     _stale_at: float | None = None
@@ -79,7 +84,7 @@ class RedisClusterBackend(RedisBackend):
                 if lost and len(lost) == len(result):  # every command: the node is gone
                     result = lost[0]
             if isinstance(result, BaseException):
-                if not isinstance(result, RedisError | OSError):
+                if not isinstance(result, _CLIENT_ERRORS):
                     raise result
                 failures.append(result)
                 result = [result] * len(idx)
@@ -108,10 +113,17 @@ class RedisClusterBackend(RedisBackend):
         return results
 
     async def _node_pipeline(self, names: list[str], idx: list[int], add: Add) -> list[object]:
-        pipe = cast(RedisCluster, self._client).pipeline()
-        for i in idx:
-            add(pipe, names[i], i)
-        return await self._execute(pipe, raise_on_error=False)
+        client = cast(RedisCluster, self._client)
+        node = client.get_node_from_key(names[idx[0]])
+        name = node.name if node else ""
+        # NOTE: redis-py's cluster node raises MaxConnectionsError when its pool is empty
+        # (the single-server pool waits): calls over `max_connections` wait here instead
+        slots = self._node_slots.setdefault(name, anyio.Semaphore(self._node_limit))
+        async with slots:
+            pipe = client.pipeline()
+            for i in idx:
+                add(pipe, names[i], i)
+            return await self._execute(pipe, raise_on_error=False)
 
     async def _refresh_slot_map(self, client: RedisCluster) -> None:
         """After a node failed, re-read the slot map (at most every 0.25 s): a replica may
@@ -127,7 +139,7 @@ class RedisClusterBackend(RedisBackend):
         self._stale_at = None
         try:
             await client.nodes_manager.initialize()
-        except (RedisError, OSError) as exc:
+        except _CLIENT_ERRORS as exc:
             self._stale_at = time.monotonic()
             log.debug("redis cluster %s: re-reading the slot map failed: %r", self.url, exc)
 
@@ -192,8 +204,10 @@ def cluster_client(url: str, safe_url: str, *, socket_timeout: float,
         raise ConfigError(f"url {safe_url!r}: {exc}") from None
     for name in ("host", "port", "db", "connection_class"):
         options.pop(name, None)
-    # NOTE: no retries in the client (see RedisClusterBackend._refresh_slot_map)
+    # NOTE: no retries in the client, and no re-reading of the whole slot map after MOVED
+    # (redis-py then closes every node's connections, failing the other nodes' pipelines in
+    # flight): see RedisClusterBackend._refresh_slot_map
     return RedisCluster(startup_nodes=nodes, ssl=tls, require_full_coverage=False,
                         socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
                         max_connections=max_connections, retry=Retry(NoBackoff(), 0),
-                        **options)
+                        reinitialize_steps=0, **options)

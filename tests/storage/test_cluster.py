@@ -15,6 +15,7 @@ import redis
 
 from aiohicache._redis_server import LocalCluster, RedisServerError
 from aiohicache.storage import backend_from_url
+from aiohicache.storage.errors import StorageError, StorageReadError, StorageWriteError
 from aiohicache.storage.redis import RedisClusterBackend
 
 from .conftest import FMT, PAYLOAD, make_keys, make_page
@@ -147,3 +148,84 @@ async def test_a_killed_primary_costs_its_pages_until_its_replica_takes_over() -
             assert len(own.primaries()) == 3  # the replica is a primary now
             # pages written after the takeover are served, and the lost ones rewritten
             assert await read(backend, keys) == [make_page(k) for k in keys]
+
+
+async def test_calls_over_max_connections_wait_for_a_connection(cluster: LocalCluster) -> None:
+    """redis-py's cluster nodes raise instead of waiting: the extra calls were counted as
+    failed nodes (misses, and errors that open the breaker)."""
+    keys = make_keys(64, seed=14)
+    async with RedisClusterBackend(cluster.url(), FMT, max_connections=2) as backend:
+        assert await backend.set_from(keys, pages(keys)) == [True] * 64
+        results = await asyncio.gather(*(read(backend, keys) for _ in range(8)))
+        assert results == [[make_page(k) for k in keys]] * 8
+        assert backend.stats().errors == 0
+
+
+async def test_a_reshard_costs_the_other_nodes_nothing(cluster: LocalCluster) -> None:
+    """Following MOVED, redis-py re-read the whole map every 5th time by closing every
+    node's connections: the other nodes' pipelines in flight failed."""
+    keys = make_keys(400, seed=15)
+    async with RedisClusterBackend(cluster.url(), FMT) as backend:
+        assert await backend.set_from(keys, pages(keys)) == [True] * 400
+        client = backend._client
+        first, second, third = (p.port for p in cluster.primaries())
+        owner = {k: _slot_owner(cluster, slot_of(client, backend.key_prefix + k)) for k in keys}
+        moved: dict[int, str] = {}
+        for k in keys:
+            slot = slot_of(client, backend.key_prefix + k)
+            if owner[k] == first and slot not in moved and len(moved) < 6:
+                moved[slot] = k
+        elsewhere = [k for k in keys if owner[k] == third][:20]
+        for slot in moved:
+            _migrate_to(cluster, slot, second)
+        slow = next(p for p in cluster.primaries() if p.port == third)
+        slow.pause()  # its pipeline stays in flight while the MOVED are followed
+        task = asyncio.ensure_future(read(backend, [*moved.values(), *elsewhere]))
+        await asyncio.sleep(0.3)
+        slow.resume()
+        assert await task == [make_page(k) for k in [*moved.values(), *elsewhere]]
+        assert backend.stats().errors == 0
+
+
+def slot_of(client: object, name: str) -> int:
+    return int(client.keyslot(name))  # type: ignore[attr-defined]
+
+
+def _migrate_to(cluster: LocalCluster, slot: int, dst: int) -> None:
+    src = _slot_owner(cluster, slot)
+    with node(src) as s, node(dst) as d:
+        src_id, dst_id = s.execute_command("CLUSTER MYID"), d.execute_command("CLUSTER MYID")
+        d.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        s.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        names = s.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000)
+        if names:
+            s.migrate("127.0.0.1", dst, names, 0, 5000)
+        for primary in cluster.primaries():
+            with node(primary.port) as client:
+                client.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+
+
+async def test_no_reachable_seed_is_a_storage_error() -> None:
+    with pytest.raises(StorageError):
+        async with RedisClusterBackend("redis+cluster://127.0.0.1:1", FMT,
+                                       connect_timeout=0.5):
+            pass
+
+
+async def test_with_every_node_down_each_call_is_a_storage_error() -> None:
+    """redis-py's RedisClusterException (not a RedisError) once escaped raw."""
+    keys = make_keys(30, seed=16)
+    with started(LocalCluster(replicas=0)) as own:
+        async with RedisClusterBackend(own.url(), FMT, socket_timeout=0.5,
+                                       connect_timeout=0.5) as backend:
+            assert await backend.set_from(keys, pages(keys)) == [True] * 30
+            for server in own.nodes:
+                server.kill()
+            for _ in range(3):
+                with pytest.raises(StorageReadError):
+                    await read(backend, keys)
+                with pytest.raises(StorageWriteError):
+                    await backend.set_from(keys, pages(keys))
+                with pytest.raises(StorageReadError):
+                    await backend.exists(keys)
+                await asyncio.sleep(0.3)  # the map is re-read: it fails again
