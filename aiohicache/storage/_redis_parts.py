@@ -79,14 +79,21 @@ def client(url: str, safe_url: str, *, socket_timeout: float, connect_timeout: f
             url, max_connections=max_connections, timeout=None,
             socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
             retry=Retry(NoBackoff(), retries))
-    except ValueError as exc:
-        raise ConfigError(f"url {safe_url!r}: {exc}") from None
+    except ValueError:  # NOTE: not its message: it may quote a piece of the password
+        raise ConfigError(f"url {safe_url!r}: {_UNPARSABLE}") from None
     return Redis.from_pool(pool)
+
+
+_UNPARSABLE = ("cannot be parsed (a port that is not a number? percent-encode any '/', '?', "
+               "'#', '@' or ':' in a user or password)")
 
 
 def redact(url: str) -> str:
     """`url` without user, password and query (``redis://***@host:port/db``)."""
     scheme, sep, rest = url.partition("://")
+    auth_part, at, after = rest.rpartition("@")
+    if at and any(c in auth_part for c in "/?#"):  # a password not percent-encoded: the URL
+        return f"{scheme}://***@{after.split('?', 1)[0].split('#', 1)[0]}"  # splits in it
     if sep and scheme in CLUSTER_SCHEMES:
         netloc = rest.split("/", 1)[0].split("?", 1)[0]
         auth = "***@" if "@" in netloc else ""

@@ -104,10 +104,10 @@ def _url_options(url: str, scheme: str, given: dict[str, Any]) -> dict[str, Any]
                                  strict_parsing=False):
         if name not in allowed:
             raise ConfigError(f"storage: {scheme} URLs take the options {sorted(allowed)}, "
-                              f"got {name!r} in {url!r}")
+                              f"got {name!r} in {_shown(url)!r}")
         keyword = allowed[name]
         if keyword in out or keyword in given:
-            raise ConfigError(f"storage: option {name!r} is given twice for {url!r}")
+            raise ConfigError(f"storage: option {name!r} is given twice for {_shown(url)!r}")
         out[keyword] = _option_value(name, value)
     return out
 
@@ -134,7 +134,7 @@ def _parse(url: object) -> tuple[str, str]:
         raise ConfigError(f"storage: URL {_shown(url)!r} contains a control character")
     scheme, colon, _ = url.partition(":")
     if not colon or not scheme:
-        raise ConfigError(f"storage: {url!r} is not a URL (no scheme); expected one of "
+        raise ConfigError(f"storage: {_shown(url)!r} is not a URL (no scheme); expected one of "
                           f"{_SCHEMES}")
     scheme = scheme.lower()
     if scheme == "memory":
@@ -171,7 +171,7 @@ def _build(cls: Any, url: str, *args: Any) -> StorageBackend:
     try:
         backend: StorageBackend = cls(*positional, **opts)
     except TypeError as exc:  # an unknown keyword: name it, with the URL
-        raise ConfigError(f"storage: bad options for {url!r}: {exc}") from None
+        raise ConfigError(f"storage: bad options for {_shown(url)!r}: {exc}") from None
     except ConfigError as exc:
         if str(exc).startswith("storage"):
             raise
@@ -245,8 +245,11 @@ def _split(url: str) -> SplitResult:
 
 
 def _shown(url: str) -> str:
-    """`url` with any user and password replaced by ``***``."""
-    return re.sub(r"//[^/?#]*@", "//***@", url, count=1)
+    """`url` with any user and password replaced by ``***``: everything up to the last
+    ``@`` (a password may hold ``/``, ``?`` or ``#`` unencoded), and password options of
+    the query."""
+    shown = re.sub(r"//.*@", "//***@", url, count=1, flags=re.S)
+    return re.sub(r"(?i)\b(password|pass|passwd|pwd)=[^&#]*", r"\1=***", shown)
 
 
 def _redis_backend(name: str) -> Any:

@@ -7,6 +7,7 @@ import pytest
 
 from aiohicache import ConfigError, HiCacheConfig, KVSpec
 from aiohicache.storage import PageFormat, backend_from_url, check_url
+from aiohicache.storage.redis import RedisBackend, RedisClusterBackend
 
 FMT = PageFormat.make(namespace="t", spec_fingerprint="mha-L1-1x8-float16", page_size=4,
                       payload_bytes=64)
@@ -52,6 +53,34 @@ def test_a_malformed_url_says_what_is_wrong(url: str, why: str) -> None:
     assert why in str(info.value)
     with pytest.raises(ConfigError, match="^storage: "):
         backend_from_url(url, FMT)
+
+
+SECRET = "S3CRet"
+
+
+@pytest.mark.parametrize("url", [
+    f"redis://:pa#{SECRET}@127.0.0.1:6390/0",  # '#', '/' or '?' in a password, unencoded
+    f"redis://:pa/{SECRET}@127.0.0.1:6390/0",
+    f"redis+cluster://:pa/{SECRET}@127.0.0.1:7000",
+    f"redis://127.0.0.1:6390/x?password={SECRET}",  # a password option of the query
+])
+def test_a_password_written_any_way_is_not_in_the_message(url: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_url(url)
+    assert SECRET not in str(info.value)
+    for cls in (RedisBackend, RedisClusterBackend):
+        try:
+            cls(url, FMT)
+        except ConfigError as exc:
+            assert SECRET not in str(exc)
+
+
+@pytest.mark.parametrize("url", [f"redis://user:{SECRET}@127.0.0.1:6390/0",
+                                 f"redis+cluster://:{SECRET}@127.0.0.1:7000?nosuch=1"])
+def test_bad_options_do_not_show_the_password(url: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        backend_from_url(url, FMT, bogus=1)
+    assert SECRET not in str(info.value) and "***@" in str(info.value)
 
 
 def test_a_password_is_not_repeated_in_the_message() -> None:
