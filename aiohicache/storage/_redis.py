@@ -395,9 +395,18 @@ class RedisBackend:
                     if blob is not None and payload is None]
         if not rejected:
             return
-        await self._pipelined([name for name, _ in rejected], lambda pipe, name, i: pipe.eval(
-            _DELETE_IF_UNCHANGED, 1, name, rejected[i][1]))
-        log.debug("redis %s: deleted %d rejected objects", self.url, len(rejected))
+        # NOTE: not raising: the call's pages are read already, and a user whose ACL does
+        # not allow EVAL would otherwise fail every batch that meets a rejected object
+        replies = await self._pipelined(
+            [name for name, _ in rejected],
+            lambda pipe, name, i: pipe.eval(_DELETE_IF_UNCHANGED, 1, name, rejected[i][1]),
+            raise_on_error=False)
+        failed = [reply for reply in replies if isinstance(reply, Exception)]
+        if failed:
+            log.warning("redis %s: %d rejected objects not deleted: %r", self.url,
+                        len(failed), failed[0])
+        log.debug("redis %s: deleted %d rejected objects", self.url,
+                  len(rejected) - len(failed))
 
     def _count_reads(self, blobs: list[Blob], filled: list[bool]) -> None:
         s = self._stats

@@ -129,6 +129,25 @@ async def test_corrupt_truncated_and_wrong_type_objects_are_misses(backend: Redi
     assert (stats.corrupt, stats.misses, stats.pages_read) == (2, 1, 1)
 
 
+async def test_a_user_not_allowed_to_run_scripts_still_gets_the_other_pages(
+        own_server: RedisServer) -> None:
+    """A least-privilege ACL user (no @scripting): the compare-and-delete of a rejected
+    object failed, and with it the whole batch, at every read that met the object."""
+    keys, pages = make_keys(8), make_pages(8)
+    with raw_client(own_server.url()) as client:
+        client.execute_command("ACL", "SETUSER", "kv", "on", ">kv-pw", "~ahkv:*", "+@read",
+                               "+@write", "+@connection", "+info")
+    async with RedisBackend(own_server.url(username="kv", password="kv-pw"),
+                            make_fmt()) as b:
+        assert await b.set_from(keys, pages) == [True] * 8
+        corrupt_object(own_server.url(), b.key_prefix + keys[3])
+        for _ in range(2):
+            bufs = make_buffers(8)
+            assert await b.get_into(keys, bufs) == [True] * 3 + [False] + [True] * 4
+            assert [bytes(x) for x in bufs[4:]] == [bytes(p) for p in pages[4:]]
+        assert b.stats().corrupt == 2
+
+
 async def test_set_overwrites_a_corrupt_object(backend: RedisBackend, redis_url: str) -> None:
     keys, pages = make_keys(1), make_pages(1)
     await backend.set_from(keys, pages)
