@@ -59,8 +59,12 @@ def check_buffers(fmt: PageFormat, keys: Sequence[str], buffers: Sequence[memory
     check_keys(keys)
     if len(buffers) != len(keys):
         raise ConfigError(f"buffers: got {len(buffers)} for {len(keys)} keys")
-    views = [buf.cast("B") if type(buf) is memoryview else memoryview(buf).cast("B")
-             for buf in buffers]
+    try:
+        views = [buf.cast("B") if type(buf) is memoryview else memoryview(buf).cast("B")
+                 for buf in buffers]
+    except TypeError:  # not a buffer, or not C-contiguous: name the first such one
+        raise ConfigError(f"buffers[{_first_unviewable(buffers)}]: must be a C-contiguous "
+                          f"buffer (a bytearray, memoryview or contiguous array)") from None
     if views and set(map(len, views)) != {fmt.payload_bytes}:  # NOTE: C-level, per buffer
         bad = next(view for view in views if len(view) != fmt.payload_bytes)
         raise ConfigError(f"buffers: each must be {fmt.payload_bytes} bytes "
@@ -74,6 +78,15 @@ def check_buffers(fmt: PageFormat, keys: Sequence[str], buffers: Sequence[memory
         raise ConfigError(f"buffers: {pair[0]} and {pair[1]} overlap (each key needs a "
                           f"buffer of its own)")
     return views
+
+
+def _first_unviewable(buffers: Sequence[object]) -> int:
+    for i, buf in enumerate(buffers):
+        try:
+            memoryview(buf).cast("B")  # type: ignore[arg-type]
+        except TypeError:
+            return i
+    return -1
 
 
 def object_size(fmt: PageFormat) -> int:

@@ -109,6 +109,10 @@ def redact(url: str) -> str:
     return f"{parts.scheme}://{auth}{host}{port}{parts.path}"
 
 
+_MAX_TTL_S = 1e15
+"""Seconds: about 31 million years, far inside what Redis accepts."""
+
+
 def check_settings(*, max_batch: object, max_pipeline_bytes: object, max_connections: object,
                    retries: object, inline_bytes: object, ttl: object, socket_timeout: object,
                    connect_timeout: object) -> None:
@@ -118,7 +122,8 @@ def check_settings(*, max_batch: object, max_pipeline_bytes: object, max_connect
         check_int(name, value, low=1)
     check_int("retries", retries, low=0)
     check_int("inline_bytes", inline_bytes, low=0)
-    for name, seconds in (("ttl", ttl), ("socket_timeout", socket_timeout),
+    if ttl is not None:  # NOTE: Redis refuses (every SET) an expiry past 2**63 ms from now
+        check_number("ttl", ttl, low=0.0, low_open=True, high=_MAX_TTL_S)
+    for name, seconds in (("socket_timeout", socket_timeout),
                           ("connect_timeout", connect_timeout)):
-        if seconds is not None or name != "ttl":
-            check_number(name, seconds, low=0.0, low_open=True)
+        check_number(name, seconds, low=0.0, low_open=True)

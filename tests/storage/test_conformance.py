@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 import xxhash
 
@@ -397,6 +398,19 @@ async def test_buffers_to_fill_must_not_overlap(case: Case) -> None:
     # adjacent is not overlapping, and writes may share a source
     assert await case.get(keys, via=case.store.backend) == [make_page(k) for k in keys]
     await case.set(keys[1:], [make_page(keys[0])] * 2, via=case.store.backend)
+
+
+@pytest.mark.parametrize("what", ["strided", "fortran-order", "not a buffer"])
+async def test_buffers_must_be_contiguous_byte_buffers(case: Case, what: str) -> None:
+    keys = make_keys(2)
+    bad: object = {"strided": memoryview(bytearray(2 * PAYLOAD))[::2],
+                   "fortran-order": memoryview(np.zeros((PAYLOAD // 4, 4), np.uint8,
+                                                        order="F")),
+                   "not a buffer": [0] * PAYLOAD}[what]
+    good = memoryview(bytearray(PAYLOAD))
+    for call in (case.backend.get_into, case.backend.set_from):
+        with pytest.raises(ConfigError, match=r"buffers\[1\]: must be a C-contiguous"):
+            await call(keys, [good, bad])  # type: ignore[list-item]
 
 
 async def test_buffers_to_fill_must_be_writable(case: Case) -> None:

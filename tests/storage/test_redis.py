@@ -415,6 +415,7 @@ async def test_rediss_url_makes_tls_connections() -> None:
     ("redis://u:hunter2@localhost:port/0", {}, "unparsable url"),
     ("redis://localhost:6379/0", {"max_batch": 0}, "max_batch"),
     ("redis://localhost:6379/0", {"ttl": -1.0}, "ttl"),
+    ("redis://localhost:6379/0", {"ttl": 1e16}, "ttl"),  # Redis would refuse every SET
     ("redis://localhost:6379/0", {"socket_timeout": math.inf}, "socket_timeout"),
     ("redis://localhost:6379/0", {"retries": -1}, "retries"),
 ])
