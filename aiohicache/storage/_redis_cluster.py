@@ -21,7 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..errors import ConfigError
 from ._redis import Add, RedisBackend
-from ._redis_parts import _UNPARSABLE, CLUSTER_SCHEMES, Blob
+from ._redis_parts import CLUSTER_SCHEMES, Blob, safe_reason
 from .errors import StorageWriteError
 
 __all__ = ("RedisClusterBackend",)
@@ -200,8 +200,8 @@ def cluster_client(url: str, safe_url: str, *, socket_timeout: float,
         first = f"redis://{auth + '@' if auth else ''}{hosts.split(',')[0]}"
         query = f"?{parts.query}" if parts.query else ""
         options: dict[str, Any] = parse_url(first + query)  # type: ignore[no-untyped-call]
-    except ValueError:  # NOTE: not its message: it may quote a piece of the password
-        raise ConfigError(f"url {safe_url!r}: {_UNPARSABLE}") from None
+    except ValueError as exc:
+        raise ConfigError(f"url {safe_url!r}: {safe_reason(url, exc)}") from None
     for name in ("host", "port", "db", "connection_class"):
         options.pop(name, None)
     # NOTE: no retries in the client, and no re-reading of the whole slot map after MOVED

@@ -3,6 +3,7 @@ thread) and connecting (URLs, pools, redaction)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Final
 from urllib.parse import urlsplit
@@ -79,9 +80,21 @@ def client(url: str, safe_url: str, *, socket_timeout: float, connect_timeout: f
             url, max_connections=max_connections, timeout=None,
             socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
             retry=Retry(NoBackoff(), retries))
-    except ValueError:  # NOTE: not its message: it may quote a piece of the password
-        raise ConfigError(f"url {safe_url!r}: {_UNPARSABLE}") from None
+    except ValueError as exc:
+        raise ConfigError(f"url {safe_url!r}: {safe_reason(url, exc)}") from None
     return Redis.from_pool(pool)
+
+
+def safe_reason(url: str, exc: Exception) -> str:
+    """`exc`'s message, unless it quotes a piece of the URL's user or password (redis-py's
+    port error quotes what it took for the port: a password with an unencoded '/' or '#')."""
+    auth = url.partition("://")[2].rpartition("@")[0]
+    pieces = re.split(r"[:/?#@]", auth)
+    pieces += re.findall(r"(?i)\b(?:password|pass|passwd|pwd)=([^&#]*)", url)
+    message = str(exc)
+    if any(piece and piece in message for piece in pieces):
+        return _UNPARSABLE
+    return message
 
 
 _UNPARSABLE = ("cannot be parsed (a port that is not a number? percent-encode any '/', '?', "
