@@ -11,11 +11,17 @@ from urllib.parse import urlsplit
 
 import anyio
 from redis.asyncio import Redis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.connection import parse_url
-from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    RedisClusterException,
+    RedisError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -31,6 +37,8 @@ log = logging.getLogger("aiohicache.storage.redis")
 _NODE_ERRORS = (ConnectionError, TimeoutError, OSError, RedisConnectionError, RedisTimeoutError,
                 ClusterDownError, TryAgainError)
 """Errors that mean a node (not a command) failed."""
+_REDIRECTS = (AskError, TryAgainError)
+"""Replies to follow elsewhere (`MovedError` is an `AskError`)."""
 _CLIENT_ERRORS = (RedisError, RedisClusterException, OSError)
 """Errors of the client for a failed call (`RedisClusterException`, no seed reachable or
 no slot map, is not a `RedisError`)."""
@@ -123,7 +131,49 @@ class RedisClusterBackend(RedisBackend):
             pipe = client.pipeline()
             for i in idx:
                 add(pipe, names[i], i)
-            return await self._execute(pipe, raise_on_error=False)
+            self._count_round_trip(len(pipe))
+            # NOTE: redirections are followed here (`_redirect`), not by redis-py: it sends
+            # ASKING and the command as two calls, each on the first idle connection of the
+            # node, so with two idle ASKING went on one and the command on the other, which
+            # the node then redirected back (MOVED), until the pages missed
+            replies: list[object] = await pipe.execute(raise_on_error=False,
+                                                       allow_redirections=False)
+        redirected = [k for k, reply in enumerate(replies) if isinstance(reply, _REDIRECTS)]
+        if redirected:
+            followed = await self._redirect(names, [idx[k] for k in redirected],
+                                            [replies[k] for k in redirected], add)
+            for k, reply in zip(redirected, followed, strict=True):
+                replies[k] = reply
+        return replies
+
+    async def _redirect(self, names: list[str], idx: list[int], errors: list[object],
+                        add: Add) -> list[object]:
+        """Follow redirections: ``ASK`` on one connection of the node named (``ASKING``, then
+        the command), ``MOVED`` and ``TRYAGAIN`` through the client (which re-points the
+        slot). The replies, an error where it failed again."""
+        client = cast(RedisCluster, self._client)
+        commands = await _recorded(names, idx, add)
+        followed: list[object] = list(errors)
+        asks: dict[str, list[int]] = {}
+        for k, error in enumerate(errors):
+            if type(error) is AskError:
+                asks.setdefault(f"{error.host}:{error.port}", []).append(k)
+                continue
+            args, options = commands[k]
+            try:
+                followed[k] = await client.execute_command(*cast(Any, args), **options)
+            except _CLIENT_ERRORS as exc:
+                followed[k] = exc
+        for node_name, ks in asks.items():
+            node = client.get_node(node_name=node_name)
+            if node is None:
+                continue  # not a node the client knows: the ASK error stays (a miss)
+            batch = [PipelineCommand(n, *args, **options) for n, k in enumerate(ks)
+                     for args, options in ((("ASKING",), {}), commands[k])]
+            await node.execute_pipeline(batch)
+            for n, k in enumerate(ks):
+                followed[k] = batch[2 * n + 1].result
+        return followed
 
     async def _refresh_slot_map(self, client: RedisCluster) -> None:
         """After a node failed, re-read the slot map (at most every 0.25 s): a replica may
@@ -183,6 +233,20 @@ class RedisClusterBackend(RedisBackend):
         replies = await client.info("memory", target_nodes=RedisCluster.PRIMARIES)
         return list(cast(dict[str, dict[str, object]], replies).values())
 
+
+
+async def _recorded(names: list[str], idx: list[int],
+                    add: Add) -> list[tuple[tuple[object, ...], dict[str, Any]]]:
+    """The commands `add` queues for `names[i]`, each ``(args, options)``, as a pipeline of a
+    client that never connects records them."""
+    recorder = Redis()
+    try:
+        pipe = recorder.pipeline(transaction=False)
+        for i in idx:
+            add(pipe, names[i], i)
+        return [(tuple(args), dict(options)) for args, options in pipe.command_stack]
+    finally:
+        await recorder.aclose()
 
 
 def cluster_client(url: str, safe_url: str, *, socket_timeout: float,

@@ -229,3 +229,33 @@ async def test_with_every_node_down_each_call_is_a_storage_error() -> None:
                 with pytest.raises(StorageReadError):
                     await backend.exists(keys)
                 await asyncio.sleep(0.3)  # the map is re-read: it fails again
+
+
+async def test_an_ask_is_followed_when_the_node_has_idle_connections(
+        cluster: LocalCluster) -> None:
+    """redis-py sent ASKING and the command on two different pooled connections: the node
+    redirected the command back (MOVED), 16 times, and the page missed (the flaky failure
+    of the test above under load, when a slow node left two connections idle)."""
+    keys = make_keys(200, seed=17)
+    async with RedisClusterBackend(cluster.url(), FMT) as backend:
+        assert await backend.set_from(keys, pages(keys)) == [True] * 200
+        client = backend._client
+        name = backend.key_prefix + keys[0]
+        dst = _migrate(cluster, slot_of(client, name), finish=False)  # the source says ASK
+        at_dst = [k for k in keys[1:]
+                  if _slot_owner(cluster, slot_of(client, backend.key_prefix + k)) == dst][:8]
+        await asyncio.gather(read(backend, at_dst), read(backend, at_dst))  # 2 idle there
+        assert await read(backend, keys[:1]) == [make_page(keys[0])]
+        assert await backend.set_from(keys[:1], pages(keys[:1])) == [True]
+        assert await read(backend, keys[:1]) == [make_page(keys[0])]
+        assert backend.stats().errors == 0
+        _settle(cluster, slot_of(client, name), dst)
+
+
+def _settle(cluster: LocalCluster, slot: int, dst: int) -> None:
+    """End a migration started by `_migrate`: `dst` owns the slot everywhere."""
+    with node(dst) as d:
+        dst_id = d.execute_command("CLUSTER MYID")
+    for primary in cluster.primaries():
+        with node(primary.port) as client:
+            client.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
