@@ -133,6 +133,12 @@ class LruBudget:
             if key in sizes:
                 last(key)
 
+    def make_oldest(self, keys: Sequence[str]) -> None:
+        """Rank `keys` (present ones) least recently used, the first of them the oldest."""
+        for key in reversed(keys):
+            if key in self.sizes:
+                self.sizes.move_to_end(key, last=False)
+
     def add(self, key: str, size: int) -> None:
         """Record `key` (replacing any old size) as the most recently used object."""
         self.pop(key)

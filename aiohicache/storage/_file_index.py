@@ -198,8 +198,11 @@ class SegmentIndex:
         the segment. (Not the whole log: a key deleted long ago, its delete forgotten,
         would come back.)
         """
-        for entry in sorted(unseen, key=lambda e: e.stamp):
-            self.apply(entry)
+        learned = [e.key for e in sorted(unseen, key=lambda e: e.stamp)
+                   if self.apply(e) and e.kind == PUT]
+        # NOTE: unread here, so least recently used: the next write evicts them before the
+        # pages this instance reads (merged as most recent, they pushed those out)
+        self.budget.make_oldest(learned)
         moves = sorted((e for e in self.entries.values() if e.seg_id == victim),
                        key=lambda e: e.offset)
         keep = [e for e in log if self._still_says(e, victim)]

@@ -8,6 +8,7 @@ pages. Payloads are bytes in and bytes out; nothing is ever pickled.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -52,8 +53,11 @@ R = TypeVar("R")
 Ts = TypeVarTuple("Ts")
 
 # Compare-and-delete: a rejected object is removed only if no writer has replaced it since.
+# NOTE: compared by its SHA-1, not sent back whole: a pipeline of rejected objects was not
+# capped in bytes, and asyncio joins a pipeline on the loop (96 x 1 MiB held it 0.8 s)
 _DELETE_IF_UNCHANGED = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+local v = redis.call('GET', KEYS[1])
+if v and redis.sha1hex(v) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
 
@@ -397,9 +401,10 @@ class RedisBackend:
             return
         # NOTE: not raising: the call's pages are read already, and a user whose ACL does
         # not allow EVAL would otherwise fail every batch that meets a rejected object
+        digests = await self._off_loop(len(rejected), _sha1_hex, [b for _, b in rejected])
         replies = await self._pipelined(
             [name for name, _ in rejected],
-            lambda pipe, name, i: pipe.eval(_DELETE_IF_UNCHANGED, 1, name, rejected[i][1]),
+            lambda pipe, name, i: pipe.eval(_DELETE_IF_UNCHANGED, 1, name, digests[i]),
             raise_on_error=False)
         failed = [reply for reply in replies if isinstance(reply, Exception)]
         if failed:
@@ -416,3 +421,7 @@ class RedisBackend:
         s.bytes_read += num_filled * self.fmt.payload_bytes
         s.misses += num_absent
         s.corrupt += len(blobs) - num_filled - num_absent
+
+
+def _sha1_hex(blobs: list[bytes]) -> list[str]:
+    return [hashlib.sha1(blob, usedforsecurity=False).hexdigest() for blob in blobs]

@@ -236,6 +236,26 @@ async def test_a_compaction_does_not_bring_back_a_key_whose_delete_was_forgotten
         assert await read(store, k) == [None]
 
 
+async def test_pages_a_compaction_learned_of_are_evicted_before_the_pages_read_here(
+        tmp_path: Path) -> None:
+    """Merged from the victim's journal as the most recently used, they pushed out the
+    pages this instance had just read."""
+    xs, ys, z = make_keys(10, seed=1), make_keys(10, seed=2), make_keys(1, seed=3)
+    async with FileBackend(tmp_path, FMT, max_concurrency=1) as writer:
+        await writer.set_from(xs, pages(xs))
+        async with FileBackend(tmp_path, FMT, capacity_bytes=12 * OBJECT) as store:
+            assert await store.exists(xs) == 10
+            await writer.set_from(ys, pages(ys))  # the same segment, unseen by `store`
+            await writer.aclose()
+            assert await read(store, xs[6:]) == written(xs[6:])
+            assert await store.delete(xs[:6]) == 6  # compacted: ys learned of
+            assert store.stats().extra["compactions"] == 1
+            await store.set_from(z, pages(z))  # evicts down to the budget
+            assert [await store.exists([x]) for x in xs[6:]] == [1, 1, 1, 1]
+            # 4 + 10 + 1 pages in a budget of 12: three of ys go, the tail of their chain
+            assert [await store.exists([y]) for y in ys] == [1] * 7 + [0] * 3
+
+
 async def test_a_segment_removed_between_open_and_lock_is_not_compacted(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another instance compacted and removed it in that window: locking the removed inode

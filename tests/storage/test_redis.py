@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ import pytest
 from aiohicache import ClosedError, ConfigError
 from aiohicache._redis_server import RedisServer, RedisServerError
 from aiohicache.bench.redis import run_redis_bench
+from aiohicache.storage import _redis as redis_module
 from aiohicache.storage.base import HEADER_SIZE, BackendStats, PageFormat, encode_header
 from aiohicache.storage.errors import StorageError, StorageReadError, StorageWriteError
 from aiohicache.storage.redis import RedisBackend
@@ -146,6 +148,46 @@ async def test_a_user_not_allowed_to_run_scripts_still_gets_the_other_pages(
             assert await b.get_into(keys, bufs) == [True] * 3 + [False] + [True] * 4
             assert [bytes(x) for x in bufs[4:]] == [bytes(p) for p in pages[4:]]
         assert b.stats().corrupt == 2
+
+
+async def test_rejected_objects_are_deleted_by_digest_not_sent_back(
+        own_server: RedisServer) -> None:
+    """Each was sent back whole for the compare-and-delete, in one pipeline not capped in
+    bytes (asyncio joins a pipeline on the loop: 96 rejected 1 MiB objects held it 0.8 s)."""
+    fmt = make_fmt(payload_bytes=256 << 10)
+    keys, pages = make_keys(8), make_pages(8, nbytes=256 << 10)
+    async with RedisBackend(own_server.url(), fmt) as b:
+        assert await b.set_from(keys, pages) == [True] * 8
+        for key in keys:
+            corrupt_object(own_server.url(), b.key_prefix + key)
+        with raw_client(own_server.url()) as client:
+            before = int(client.info("stats")["total_net_input_bytes"])
+            assert await b.get_into(keys, make_buffers(8, 256 << 10)) == [False] * 8
+            sent = int(client.info("stats")["total_net_input_bytes"]) - before
+        assert await b.exists(keys) == 0  # deleted
+        assert sent < 64 << 10  # not the 2 MiB of objects
+
+
+async def test_a_rejected_object_rewritten_meanwhile_is_left_alone(
+        own_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys, pages = make_keys(1), make_pages(1)
+    url = own_server.url()
+    async with RedisBackend(url, make_fmt()) as b:
+        assert await b.set_from(keys, pages) == [True]
+        with raw_client(url) as client:
+            good = client.get(b.key_prefix + keys[0])
+        corrupt_object(url, b.key_prefix + keys[0])
+        real = redis_module.verify
+
+        def rewrite_then_verify(*args: Any) -> Any:  # a writer replaces it after the read
+            with raw_client(url) as client:
+                client.set(b.key_prefix + keys[0], good)
+            return real(*args)
+        monkeypatch.setattr(redis_module, "verify", rewrite_then_verify)
+        assert await b.get_into(keys, make_buffers(1)) == [False]  # what it read was bad
+        monkeypatch.undo()
+        bufs = make_buffers(1)
+        assert await b.get_into(keys, bufs) == [True] and bytes(bufs[0]) == bytes(pages[0])
 
 
 async def test_set_overwrites_a_corrupt_object(backend: RedisBackend, redis_url: str) -> None:
