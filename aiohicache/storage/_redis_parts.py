@@ -82,6 +82,11 @@ def client(url: str, safe_url: str, *, socket_timeout: float, connect_timeout: f
             retry=Retry(NoBackoff(), retries))
     except ValueError as exc:
         raise ConfigError(f"url {safe_url!r}: {safe_reason(url, exc)}") from None
+    try:  # NOTE: a connection object connects only when used: this checks the options now
+        pool.connection_class(**pool.connection_kwargs)
+    except TypeError as exc:  # an unknown query option: it failed at the first call
+        raise ConfigError(f"url {safe_url!r}: an option redis-py does not take "
+                          f"({safe_reason(url, exc)})") from None
     return Redis.from_pool(pool)
 
 

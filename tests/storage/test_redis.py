@@ -454,6 +454,7 @@ async def test_rediss_url_makes_tls_connections() -> None:
     ("http://localhost:6379/0", {}, "scheme"),
     ("redis://localhost:6379/notadb", {}, "database number"),
     ("redis://localhost:6379/0?socket_timeout=soon", {}, "socket_timeout"),
+    ("redis://localhost:6379/0?nosuch=1", {}, "an option redis-py does not take.*nosuch"),
     ("redis://u:hunter2@localhost:port/0", {}, "unparsable url"),
     ("redis://localhost:6379/0", {"max_batch": 0}, "max_batch"),
     ("redis://localhost:6379/0", {"ttl": -1.0}, "ttl"),
