@@ -9,6 +9,7 @@ import textwrap
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -286,6 +287,13 @@ async def test_a_failing_backend_trips_the_breaker_and_l1_l2_keep_serving() -> N
         cache.check_invariants()
 
 
+def remembering(*, failures_to_open: int, cooldown: float) -> tuple[FaultyBackend, Any]:
+    """A fault-injected (for now healthy) L3 and a config that remembers its misses 600 s."""
+    faulty = FaultyBackend(MemoryBackend(page_format(make_config(**L3))), seed=0)
+    return faulty, make_config(storage=faulty, storage_failures_to_open=failures_to_open,
+                               storage_cooldown=cooldown, storage_miss_ttl=600.0, **L3)
+
+
 async def miss(cache: HiCache, seed: int) -> None:
     async with cache.fetch(make_tokens(16, seed=seed)) as hit:
         assert hit.num_cached_tokens == 0
@@ -294,9 +302,7 @@ async def miss(cache: HiCache, seed: int) -> None:
 async def test_a_prefix_l3_lacked_asks_nothing_and_leaves_the_breaker_probing() -> None:
     """A negative-cache hit once counted as a success: it closed a half-open breaker whose
     backend was still down."""
-    faulty = FaultyBackend(MemoryBackend(page_format(make_config(**L3))), seed=0)
-    cfg = make_config(storage=faulty, storage_failures_to_open=1, storage_cooldown=0.05,
-                      storage_miss_ttl=600.0, **L3)
+    faulty, cfg = remembering(failures_to_open=1, cooldown=0.05)
     async with HiCache(cfg) as cache:
         tier = cache.storage
         assert tier is not None
@@ -315,9 +321,7 @@ async def test_a_prefix_l3_lacked_asks_nothing_and_leaves_the_breaker_probing() 
 
 
 async def test_prefixes_l3_lacked_do_not_reset_the_count_of_failures() -> None:
-    faulty = FaultyBackend(MemoryBackend(page_format(make_config(**L3))), seed=0)
-    cfg = make_config(storage=faulty, storage_failures_to_open=3, storage_cooldown=60.0,
-                      storage_miss_ttl=600.0, **L3)
+    faulty, cfg = remembering(failures_to_open=3, cooldown=60.0)
     async with HiCache(cfg) as cache:
         tier = cache.storage
         assert tier is not None

@@ -86,10 +86,11 @@ def _slot_owner(cluster: LocalCluster, slot: int) -> int:
     raise AssertionError(f"slot {slot} has no owner")
 
 
-def _migrate(cluster: LocalCluster, slot: int, *, finish: bool) -> int:
-    """Move `slot` (and its keys) to another primary; unfinished, the source answers ASK."""
+def _migrate(cluster: LocalCluster, slot: int, *, finish: bool, dst: int | None = None) -> int:
+    """Move `slot` (and its keys) to primary `dst` (another one if None); unfinished, the
+    source answers ASK."""
     src = _slot_owner(cluster, slot)
-    dst = next(p.port for p in cluster.primaries() if p.port != src)
+    dst = dst or next(p.port for p in cluster.primaries() if p.port != src)
     with node(src) as s, node(dst) as d:
         src_id, dst_id = s.execute_command("CLUSTER MYID"), d.execute_command("CLUSTER MYID")
         d.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
@@ -177,7 +178,7 @@ async def test_a_reshard_costs_the_other_nodes_nothing(cluster: LocalCluster) ->
                 moved[slot] = k
         elsewhere = [k for k in keys if owner[k] == third][:20]
         for slot in moved:
-            _migrate_to(cluster, slot, second)
+            _migrate(cluster, slot, finish=True, dst=second)
         slow = next(p for p in cluster.primaries() if p.port == third)
         slow.pause()  # its pipeline stays in flight while the MOVED are followed
         task = asyncio.ensure_future(read(backend, [*moved.values(), *elsewhere]))
@@ -189,20 +190,6 @@ async def test_a_reshard_costs_the_other_nodes_nothing(cluster: LocalCluster) ->
 
 def slot_of(client: object, name: str) -> int:
     return int(client.keyslot(name))  # type: ignore[attr-defined]
-
-
-def _migrate_to(cluster: LocalCluster, slot: int, dst: int) -> None:
-    src = _slot_owner(cluster, slot)
-    with node(src) as s, node(dst) as d:
-        src_id, dst_id = s.execute_command("CLUSTER MYID"), d.execute_command("CLUSTER MYID")
-        d.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
-        s.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
-        names = s.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000)
-        if names:
-            s.migrate("127.0.0.1", dst, names, 0, 5000)
-        for primary in cluster.primaries():
-            with node(primary.port) as client:
-                client.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
 
 
 async def test_no_reachable_seed_is_a_storage_error() -> None:
