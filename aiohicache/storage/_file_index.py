@@ -223,11 +223,11 @@ class SegmentIndex:
 
     def repoint(self, victim: int, moves: Sequence[Entry], moved: Sequence[Entry]) -> None:
         """Re-point the keys compaction moved (same LRU place and size), then drop
-        `victim`. A key still bound to the record moved is re-pointed even if re-stamped
-        meanwhile (its recency journaled), keeping the newer stamp."""
+        `victim`. A key still bound to the record moved is re-pointed, matched by place (an
+        older version's reader journals a read as a binding with a newer stamp)."""
         for old, new in zip(moves, moved, strict=True):
             now = self.entries.get(old.key)
-            if now is not None and now.seg_id == victim and now.offset == old.offset:
+            if now is not None and _same_record(now, old):
                 self.entries[old.key] = new._replace(stamp=max(now.stamp, new.stamp))
                 self.live[victim] -= old.length
                 self.live[new.seg_id] = self.live.get(new.seg_id, 0) + new.length

@@ -170,9 +170,13 @@ class RedisClusterBackend(RedisBackend):
                 continue  # not a node the client knows: the ASK error stays (a miss)
             batch = [PipelineCommand(n, *args, **options) for n, k in enumerate(ks)
                      for args, options in ((("ASKING",), {}), commands[k])]
-            await node.execute_pipeline(batch)
-            for n, k in enumerate(ks):
-                followed[k] = batch[2 * n + 1].result
+            try:
+                await node.execute_pipeline(batch)
+                results = [command.result for command in batch[1::2]]
+            except _CLIENT_ERRORS as exc:  # that node failed: these pages alone
+                results = [exc] * len(ks)
+            for k, result in zip(ks, results, strict=True):
+                followed[k] = result
         return followed
 
     async def _refresh_slot_map(self, client: RedisCluster) -> None:
