@@ -87,6 +87,8 @@ class SegmentIndex:
             end = entry.offset + entry.length
             self.sizes[entry.seg_id] = max(self.sizes.get(entry.seg_id, 0), end)
             self.may_compact = True
+            if current is not None and current.key not in self.budget:
+                self.budget.add(current.key, current.length)  # the run took it out
             return False
         self.bind(entry)
         return True
@@ -106,6 +108,7 @@ class SegmentIndex:
         of the key written meanwhile (begun here, or stored by another instance unseen
         here) still wins."""
         stamp = max(self.stamp(), old.stamp + 1) if now else old.stamp + 1
+        self.last_stamp = max(self.last_stamp, stamp)
         self.deleted[old.key] = stamp
         self.deleted.move_to_end(old.key)
         while len(self.deleted) > _DELETED_MEMORY:
@@ -129,6 +132,9 @@ class SegmentIndex:
             if current is not None and _same_record(current, entry):
                 self.budget.touch(entry.key)
             return False
+        # NOTE: stamps given here stay later than any merged (another instance's clock may
+        # run ahead, or this machine's clock stepped back since the journals were written)
+        self.last_stamp = max(self.last_stamp, entry.stamp)
         if current is not None and (current.stamp > entry.stamp or current == entry):
             return False
         if entry.kind == PUT:
