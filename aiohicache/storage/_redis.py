@@ -181,7 +181,7 @@ class RedisBackend:
         self._info_at = time.monotonic()
         try:
             replies = await self._memory_info()
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
             log.debug("redis INFO memory on %s failed: %r", self.url, exc)
             return
         extra = self._stats.extra

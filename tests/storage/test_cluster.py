@@ -13,7 +13,8 @@ from contextlib import contextmanager
 import pytest
 import redis
 
-from aiohicache._redis_server import LocalCluster, RedisServerError
+from aiohicache._redis_server import LocalCluster, RedisServer, RedisServerError
+from aiohicache.storage import _redis as redis_module
 from aiohicache.storage import backend_from_url
 from aiohicache.storage.errors import StorageError, StorageReadError, StorageWriteError
 from aiohicache.storage.redis import RedisClusterBackend
@@ -246,3 +247,114 @@ def _settle(cluster: LocalCluster, slot: int, dst: int) -> None:
     for primary in cluster.primaries():
         with node(primary.port) as client:
             client.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+
+
+async def migrating_key(cluster: LocalCluster, backend: RedisClusterBackend,
+                        seed: int) -> tuple[str, str, int, int]:
+    """A stored key whose slot is migrating (its owner answers ASK), a stored key on the
+    node it is going to, the slot and that node's port."""
+    keys = make_keys(200, seed=seed)
+    assert await backend.set_from(keys, pages(keys)) == [True] * 200
+    client = backend._client
+    moving = keys[0]
+    slot = slot_of(client, backend.key_prefix + moving)
+    dst = _migrate(cluster, slot, finish=False)
+    there = next(k for k in keys[1:]
+                 if _slot_owner(cluster, slot_of(client, backend.key_prefix + k)) == dst)
+    return moving, there, slot, dst
+
+
+async def test_asks_followed_by_many_calls_stay_within_max_connections(
+        cluster: LocalCluster) -> None:
+    """The follow-ups took connections of the node asked without its limit: redis-py
+    raised MaxConnectionsError, counted as a failed node (misses, breaker errors)."""
+    async with RedisClusterBackend(cluster.url(), FMT, max_connections=2) as backend:
+        moving, there, slot, dst = await migrating_key(cluster, backend, 18)
+        try:
+            results = await asyncio.gather(*(read(backend, [moving, there])
+                                             for _ in range(16)))
+            assert results == [[make_page(moving), make_page(there)]] * 16
+            assert backend.stats().errors == 0
+        finally:
+            _settle(cluster, slot, dst)
+
+
+async def test_a_read_cancelled_inside_an_ask_leaves_no_reply_for_the_next(
+        cluster: LocalCluster) -> None:
+    async with RedisClusterBackend(cluster.url(), FMT) as backend:
+        moving, there, slot, dst = await migrating_key(cluster, backend, 19)
+        asked = next(p for p in cluster.primaries() if p.port == dst)
+        try:
+            asked.pause()
+            task = asyncio.ensure_future(read(backend, [moving]))  # in ASKING + GET there
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            asked.resume()
+            for _ in range(5):
+                assert await read(backend, [there, moving]) == [make_page(there),
+                                                                make_page(moving)]
+                assert await backend.exists([there, moving]) == 2
+        finally:
+            asked.resume()
+            _settle(cluster, slot, dst)
+
+
+async def test_an_ask_to_a_node_that_joined_after_the_start_is_followed() -> None:
+    """The client did not know the node yet (a scale-out): every page of the migrating
+    slot missed, writes were refused and `exists` raised."""
+    keys = make_keys(4, seed=20)
+    with started(LocalCluster(replicas=0)) as own:
+        joining = RedisServer(extra_args=own.nodes[0].extra_args)
+        async with RedisClusterBackend(own.url(), FMT) as backend:
+            assert await backend.set_from(keys, pages(keys)) == [True] * 4
+            try:
+                joining.start()
+                with node(own.nodes[0].port) as client:
+                    client.execute_command("CLUSTER MEET", "127.0.0.1", joining.port)
+                _wait_joined(own, joining)
+                slot = slot_of(backend._client, backend.key_prefix + keys[0])
+                _migrate(own, slot, finish=False, dst=joining.port)
+                assert await read(backend, keys[:1]) == [make_page(keys[0])]
+                assert await backend.exists(keys[:1]) == 1
+                assert await backend.set_from(keys[:1], pages(keys[:1])) == [True]
+                assert backend.stats().errors == 0
+            finally:
+                joining.stop()
+
+
+async def test_writes_with_every_node_down_past_the_memory_look_are_storage_errors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The look at `maxmemory` (every 10 s) let RedisClusterException escape `set_from`."""
+    monkeypatch.setattr(redis_module, "_INFO_INTERVAL_S", 0.0)
+    keys = make_keys(8, seed=21)
+    with started(LocalCluster(replicas=0)) as own:
+        async with RedisClusterBackend(own.url(), FMT, socket_timeout=0.5,
+                                       connect_timeout=0.5) as backend:
+            assert await backend.set_from(keys, pages(keys)) == [True] * 8
+            for server in own.nodes:
+                server.kill()
+            for _ in range(3):
+                with pytest.raises(StorageWriteError):
+                    await backend.set_from(keys, pages(keys))
+                await asyncio.sleep(0.3)
+
+
+def _wait_joined(cluster: LocalCluster, joining: RedisServer, timeout: float = 10.0) -> None:
+    """Until every node, the joining one too, knows every other (no handshake left), and
+    the joining one sees the cluster up."""
+    servers = [*cluster.nodes, joining]
+    deadline = time.monotonic() + timeout
+    while True:
+        views = []
+        for server in servers:
+            with node(server.port) as client:
+                views.append(client.execute_command("CLUSTER NODES"))  # address -> info
+        with node(joining.port) as client:
+            ok = client.execute_command("CLUSTER INFO")["cluster_state"] == "ok"
+        if ok and all(len(v) == len(servers) and all("handshake" not in n["flags"]
+                                                     for n in v.values()) for v in views):
+            return
+        assert time.monotonic() < deadline, "the new node never joined"
+        time.sleep(0.1)
