@@ -289,12 +289,15 @@ class RadixTree(TreeState):
             node = self.device_policy.pop(self._device_candidate)
             if node is None:
                 break
-            if write_back is None or not self._stageable(node):
+            # a whole node is staged to the host; one evicted outright (no write-back, or
+            # the host had no room) is trimmed first to the pages still needed
+            staging = write_back is not None and self._stage_write_back(node, write_back)
+            if not staging:
                 self._trim(node, min(num_pages - out.freed_pages - staged,
                                      self.device_policy.tail_run(node)))
             if self.device_eviction_order is not None:
                 self.device_eviction_order.append(node.id)
-            if write_back is not None and self._stage_write_back(node, write_back):
+            if staging:
                 out.write_backs.append(node)
                 staged += node.num_pages
             else:

@@ -187,10 +187,10 @@ def check_page_ids(src: PageIds, dst: PageIds, *, src_pages: int, dst_pages: int
     would read or write outside the pool, so it is refused here, on the host.
 
     Raises:
-        PageError: the arrays differ in length, or an id is past its pool.
+        PageError: the arrays differ in length, hold something other than integers, or an
+            id is past its pool.
     """
-    src = np.ascontiguousarray(src, dtype=np.int64)
-    dst = np.ascontiguousarray(dst, dtype=np.int64)
+    src, dst = _as_ids(src), _as_ids(dst)
     if src.ndim != 1 or src.shape != dst.shape:
         raise PageError(f"page ids: need two 1-D arrays of one length, got shapes "
                         f"{src.shape} and {dst.shape}")
@@ -198,6 +198,16 @@ def check_page_ids(src: PageIds, dst: PageIds, *, src_pages: int, dst_pages: int
         if len(ids) and int(ids.max()) >= limit:
             raise PageError(f"page ids: {int(ids.max())} is past the {name}'s {limit} pages")
     return src, dst
+
+
+def _as_ids(ids: PageIds) -> PageIds:
+    """`ids` as contiguous int64; refused if a cast would change one (a float, or a uint64
+    past int64, which would wrap to a negative id: a skip, not an error)."""
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu" or (arr.dtype == np.uint64 and arr.size
+                                      and int(arr.max()) > np.iinfo(np.int64).max):
+        raise PageError(f"page ids: need integers that fit int64, got {arr.dtype} ids")
+    return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 def check_copy(device_pages: int, host_pages: int, src: PageIds, dst: PageIds, *,

@@ -253,3 +253,16 @@ def test_bench_tree_runs_the_named_eviction_policy() -> None:
     assert (lru.eviction, arc.eviction) == ("lru", "arc")
     assert lru.hit_ratio != arc.hit_ratio  # the policy reached the tree
     assert "eviction arc" in format_tree(arc)
+
+
+def test_a_write_back_with_no_host_room_evicts_only_the_pages_needed() -> None:
+    """Staging to the host failed (full, nothing there to evict) and the whole untrimmed
+    leaf was dropped, however few pages were asked for (a review)."""
+    dev, host = PageAllocator(8, name="d"), PageAllocator(2, name="h")
+    tree = RadixTree(page_size=1, device_alloc=dev, host_alloc=host, eviction="lru")
+    tree.insert(np.arange(6), dev.alloc(6))
+    host.alloc(2)  # the host is full, and holds nothing of the tree
+    ev = tree.evict_device(1, write_back=PendingOp())
+    assert (ev.freed_pages, ev.write_backs, dev.num_free) == (1, [], 3)
+    assert tree.match(tuple(range(6)), touch=False).num_device_pages == 5  # the head stays
+    tree.check()

@@ -223,6 +223,23 @@ async def test_a_negative_page_id_skips_its_pair_instead_of_wrapping(
                                dev_before[:, :, p].view(torch.uint8)), p
 
 
+@pytest.mark.parametrize("ids", [np.array([(1 << 64) - 1], dtype=np.uint64),
+                                 np.array([1.9])], ids=["uint64-past-int64", "float"])
+async def test_page_ids_that_are_not_int64_integers_are_refused(ids: np.ndarray) -> None:
+    """A uint64 id past int64 wrapped to a negative id, a skip: nothing was copied and
+    nothing raised; a float was truncated (a review)."""
+    spec = SPECS["mla-656B"]
+    engine = CpuTransferEngine(DevicePool(spec, num_pages=4, page_size=2),
+                               HostPool(spec, num_pages=4, page_size=2))
+    try:
+        with pytest.raises(PageError, match="need integers that fit int64"):
+            engine.load(ids, np.array([0]))
+        with pytest.raises(PageError, match="need integers that fit int64"):
+            engine.write(np.array([0]), ids)
+    finally:
+        await engine.aclose()
+
+
 @pytest.mark.parametrize("to_device", [True, False], ids=["load", "write"])
 @pytest.mark.usefixtures("copier")
 async def test_a_page_id_past_its_pool_is_refused_before_any_copy(to_device: bool) -> None:
