@@ -31,6 +31,7 @@ from ._leases import ANONYMOUS
 from ._request import Request
 from ._stats import CacheStats, snapshot
 from ._tokens import TokenInput, as_tokens
+from ._validate import check_int
 from .config import HiCacheConfig
 from .controller import Consensus, Controller, StorageTier
 from .distributed import TPGroup
@@ -273,6 +274,7 @@ class HiCache:
         """
         from .events import hub_of
 
+        check_int("max_batches", max_batches, low=1)  # NOTE: a bad one broke the others' flush
         return hub_of(self).subscribe(max_batches, snapshot=snapshot)
 
     async def drain(self) -> None:

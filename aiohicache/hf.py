@@ -237,10 +237,17 @@ class HFAdapter:
         if cache.device_pool.device != model.device:
             raise ConfigError(f"device: the cache is on {cache.device_pool.device}, the model "
                               f"on {model.device}")
-        types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+        text = model.config.get_text_config(decoder=True)
+        types = getattr(text, "layer_types", None)
         if types is not None and set(types) != {"full_attention"}:
             raise ConfigError(f"model: only full-attention layers are supported, the model "
                               f"has {sorted(set(types))}")
+        # NOTE: a config without `layer_types` may still slide (Mistral-7B-v0.1 sets only
+        # `sliding_window`); Qwen2-style configs say whether they use theirs
+        window = getattr(text, "sliding_window", None)
+        if types is None and window is not None and getattr(text, "use_sliding_window", True):
+            raise ConfigError(f"model: only full-attention layers are supported, the model "
+                              f"attends over a sliding window of {window} tokens")
         self.model = model
         self.cache = cache
         self.executor = executor

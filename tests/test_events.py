@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zmq
 
-from aiohicache import HiCache
+from aiohicache import ConfigError, HiCache
 from aiohicache.controller import page_format
 from aiohicache.events import (
     AllBlocksCleared,
@@ -268,3 +268,11 @@ def test_the_hub_flushes_on_the_next_loop_turn_under_either_backend(backend: str
         return order
 
     assert anyio.run(main, backend=backend) == ["now", "flushed"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, None, "8"])
+async def test_a_bad_max_batches_is_a_config_error(bad: Any) -> None:
+    """It was taken, and broke the flush of every other subscriber (a review)."""
+    async with HiCache(make_config()) as cache:
+        with pytest.raises(ConfigError, match="max_batches"):
+            cache.events(max_batches=bad)

@@ -245,6 +245,19 @@ async def test_a_cancelled_prefill_stops_its_forward_and_leaks_nothing(
             await check(adapter, [*prompt, 1, 2], [22])  # and the cache still serves exactly
 
 
+async def test_a_sliding_window_model_without_layer_types_is_refused() -> None:
+    """Mistral-7B-v0.1 sets `sliding_window` and no `layer_types`: it was accepted, and a
+    hit longer than the window crashed the prefill (a review)."""
+    torch.manual_seed(3)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=16,
+        attn_implementation="sdpa")).eval()
+    async with HiCache(config_for(model)) as cache:
+        with pytest.raises(ConfigError, match="sliding window of 16 tokens"):
+            HFAdapter(model, cache)
+
+
 async def test_a_cache_of_another_shape_is_refused(llama: PreTrainedModel) -> None:
     cfg = config_for(llama, spec=kv_spec(llama.config, "bf16"))
     async with HiCache(cfg) as cache:

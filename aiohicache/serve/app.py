@@ -180,7 +180,8 @@ def _params(body: dict[str, Any]) -> SamplingParams:
                                error=_BadRequest)
     seed = body.get("seed")
     if seed is not None:
-        seed = check_int("seed", seed, error=_BadRequest)
+        seed = check_int("seed", seed, low=-(1 << 63), high=(1 << 64) - 1,  # torch's range
+                         error=_BadRequest)
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
 
 

@@ -127,7 +127,8 @@ async def test_metrics_and_health() -> None:
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": [600]}, "token ids must be in 0..511"),
-], ids=["empty", "batch", "max_tokens", "temperature", "vocab"])
+    ({"prompt": "x", "seed": 1 << 64}, "seed"),  # torch's generator refused it, a 500
+], ids=["empty", "batch", "max_tokens", "temperature", "vocab", "seed"])
 async def test_bad_requests_get_a_400_naming_the_field(body: dict[str, Any],
                                                        message: str) -> None:
     async with engine() as eng, running_server(eng) as url, aiohttp.ClientSession() as session:
