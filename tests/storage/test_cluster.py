@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import pytest
 import redis
@@ -193,6 +193,19 @@ def slot_of(client: object, name: str) -> int:
     return int(client.keyslot(name))  # type: ignore[attr-defined]
 
 
+@asynccontextmanager
+async def every_node_killed(keys: list[str]) -> AsyncIterator[RedisClusterBackend]:
+    """A backend on a cluster of its own that stored `keys`, every node of which was then
+    killed."""
+    with started(LocalCluster(replicas=0)) as own:
+        async with RedisClusterBackend(own.url(), FMT, socket_timeout=0.5,
+                                       connect_timeout=0.5) as backend:
+            assert await backend.set_from(keys, pages(keys)) == [True] * len(keys)
+            for server in own.nodes:
+                server.kill()
+            yield backend
+
+
 async def test_no_reachable_seed_is_a_storage_error() -> None:
     with pytest.raises(StorageError):
         async with RedisClusterBackend("redis+cluster://127.0.0.1:1", FMT,
@@ -203,20 +216,15 @@ async def test_no_reachable_seed_is_a_storage_error() -> None:
 async def test_with_every_node_down_each_call_is_a_storage_error() -> None:
     """redis-py's RedisClusterException (not a RedisError) once escaped raw."""
     keys = make_keys(30, seed=16)
-    with started(LocalCluster(replicas=0)) as own:
-        async with RedisClusterBackend(own.url(), FMT, socket_timeout=0.5,
-                                       connect_timeout=0.5) as backend:
-            assert await backend.set_from(keys, pages(keys)) == [True] * 30
-            for server in own.nodes:
-                server.kill()
-            for _ in range(3):
-                with pytest.raises(StorageReadError):
-                    await read(backend, keys)
-                with pytest.raises(StorageWriteError):
-                    await backend.set_from(keys, pages(keys))
-                with pytest.raises(StorageReadError):
-                    await backend.exists(keys)
-                await asyncio.sleep(0.3)  # the map is re-read: it fails again
+    async with every_node_killed(keys) as backend:
+        for _ in range(3):
+            with pytest.raises(StorageReadError):
+                await read(backend, keys)
+            with pytest.raises(StorageWriteError):
+                await backend.set_from(keys, pages(keys))
+            with pytest.raises(StorageReadError):
+                await backend.exists(keys)
+            await asyncio.sleep(0.3)  # the map is re-read: it fails again
 
 
 async def test_an_ask_is_followed_when_the_node_has_idle_connections(
@@ -329,16 +337,11 @@ async def test_writes_with_every_node_down_past_the_memory_look_are_storage_erro
     """The look at `maxmemory` (every 10 s) let RedisClusterException escape `set_from`."""
     monkeypatch.setattr(redis_module, "_INFO_INTERVAL_S", 0.0)
     keys = make_keys(8, seed=21)
-    with started(LocalCluster(replicas=0)) as own:
-        async with RedisClusterBackend(own.url(), FMT, socket_timeout=0.5,
-                                       connect_timeout=0.5) as backend:
-            assert await backend.set_from(keys, pages(keys)) == [True] * 8
-            for server in own.nodes:
-                server.kill()
-            for _ in range(3):
-                with pytest.raises(StorageWriteError):
-                    await backend.set_from(keys, pages(keys))
-                await asyncio.sleep(0.3)
+    async with every_node_killed(keys) as backend:
+        for _ in range(3):
+            with pytest.raises(StorageWriteError):
+                await backend.set_from(keys, pages(keys))
+            await asyncio.sleep(0.3)
 
 
 def _wait_joined(cluster: LocalCluster, joining: RedisServer, timeout: float = 10.0) -> None:
