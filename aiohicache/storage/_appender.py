@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import _native
-from ._journal import PUT, Entry, read_log_since, segment_path
+from ._journal import ENTRY_SIZE, PUT, TOUCH, Entry, read_log_since, segment_path
 from .base import HEADER_SIZE, PageFormat, encode_header, key_id, pack_header
 
 __all__ = ("Appender", "Locked", "compact", "lock_segment", "write_run")
@@ -40,6 +40,8 @@ class _Lane:
     logged: bool = False
     log_bytes: int = 0
     """Bytes of whole entries in its journal (what a failed append is cut back to)."""
+    touch_bytes: int = 0
+    """Bytes of touch entries in its journal."""
 
 
 class Appender:
@@ -57,15 +59,28 @@ class Appender:
     def __init__(self, root: str, *, segment_bytes: int, fsync: bool) -> None:
         self.root = root
         self.segment_bytes = segment_bytes
+        self.touch_limit = max(segment_bytes // 16, 1 << 20)
+        """A lane whose journal holds this many bytes of touches is rolled. NOTE: a
+        read-mostly store journals touches and few records, so its active segment never
+        filled and its journal grew without end (176 bytes a page read)."""
         self.fsync = fsync
         self._lock = threading.Lock()
         self._lanes: list[_Lane] = []
         self.created: set[int] = set()
         """Every segment this appender made (its journals need not be read back)."""
+        self._emptied: list[int] = []
+        """Segments rolled holding journal entries and no record (see `take_emptied`)."""
 
     def created_ids(self) -> frozenset[int]:
         with self._lock:
             return frozenset(self.created)
+
+    def take_emptied(self) -> list[int]:
+        """The segments sealed since the last call that hold no record, only a journal
+        (touches, deletes): garbage for the compactor once their entries are carried."""
+        with self._lock:
+            emptied, self._emptied = self._emptied, []
+            return emptied
 
     def active_ids(self) -> frozenset[int]:
         """The segments this instance may still append to (never compacted by it)."""
@@ -79,7 +94,8 @@ class Appender:
         with self._lock:
             lane = next((lane for lane in self._lanes if not lane.busy), None)
             if lane is None or os.fstat(lane.seg_fd).st_nlink == 0 or (
-                    lane.end and lane.end + nbytes > self.segment_bytes):
+                    lane.end and lane.end + nbytes > self.segment_bytes) or \
+                    lane.touch_bytes >= self.touch_limit:
                 lane = self._roll(lane)
             lane.busy = True
             offset = lane.end
@@ -108,7 +124,10 @@ class Appender:
         if not entries:
             return
         lane, _ = self.reserve(0)
-        self.release(lane, entries)
+        # NOTE: touches only: a compaction carries the deletes that still win, which then
+        # must not roll the lane again (the next compaction would carry them again)
+        lane.touch_bytes += ENTRY_SIZE * sum(entry.kind == TOUCH for entry in entries)
+        self.release(lane, entries)  # the lane is ours until then
 
     def close(self) -> None:
         """Seal every lane (each then is lock-free: compactable); an unused one is removed."""
@@ -125,6 +144,8 @@ class Appender:
         if old is not None:
             old.sealed = True
             self._lanes.remove(old)
+            if not old.end and old.logged:
+                self._emptied.append(old.seg_id)
             _close_segment(old)  # idle: nobody appends to it
         self._lanes.append(new)
         return new

@@ -183,13 +183,16 @@ class SegmentIndex:
         self.live.pop(seg_id, None)
         self.read_to.pop(seg_id, None)
 
-    def pick_victim(self, skip: Callable[[int], bool], dead_fraction: float) -> int | None:
+    def pick_victim(self, skip: Callable[[int], bool], dead_fraction: float, *,
+                    empty_only: bool = False) -> int | None:
         """The segment with the most dead bytes, if at least `dead_fraction` of it is dead
-        and not `skip(seg_id)`."""
+        and not `skip(seg_id)`; else one that holds no record, only a journal (least
+        urgent: a few MiB of entries). `empty_only`: only such a one."""
         best, most = None, 0
         for seg_id, size in self.sizes.items():
-            dead = size - self.live.get(seg_id, 0)
-            if dead <= 0 or dead < dead_fraction * size or dead <= most or skip(seg_id):
+            dead = size - self.live.get(seg_id, 0) if size else 1
+            if dead <= 0 or dead < dead_fraction * size or dead <= most or skip(seg_id) or \
+                    (empty_only and size):
                 continue
             best, most = seg_id, dead
         return best
@@ -211,7 +214,10 @@ class SegmentIndex:
         self.budget.make_oldest(learned)
         moves = sorted((e for e in self.entries.values() if e.seg_id == victim),
                        key=lambda e: e.offset)
-        keep = [e for e in log if self._still_says(e, victim)]
+        # NOTE: a segment with no record was rolled for its touches: carried, they would
+        # fill the next journal as fast, so they go with it (its deletes are carried)
+        touches = self.sizes.get(victim, 0) > 0
+        keep = [e for e in log if (touches or e.kind != TOUCH) and self._still_says(e, victim)]
         return moves, keep
 
     def _still_says(self, entry: Entry, victim: int) -> bool:

@@ -114,18 +114,23 @@ class _FileUpkeep:
 
     # ---------------------------------------------------------------------------- compaction
 
-    async def _maybe_compact(self) -> None:
-        """Compact the sealed segment with the most dead bytes, if it is dead enough.
+    async def _maybe_compact(self, *, empty_only: bool = False) -> None:
+        """Compact the sealed segment with the most dead bytes, if it is dead enough (or,
+        `empty_only`, one that holds only a journal).
 
         Cancellation: the compaction in flight completes, then the cancellation propagates.
         """
+        for seg_id in self._appender.take_emptied():
+            if seg_id not in self._index.gone:
+                self._index.sizes.setdefault(seg_id, 0)
+                self._index.may_compact = True
         if not self._index.may_compact:
             return
-        self._index.may_compact = False
+        self._index.may_compact = empty_only  # NOTE: a dead record still wants a look
         active, now = self._appender.active_ids(), time.monotonic()
         victim = self._index.pick_victim(
             lambda seg_id: seg_id in active or now - self._busy.get(seg_id, -_BUSY_S) < _BUSY_S,
-            self.compact_dead_fraction)
+            self.compact_dead_fraction, empty_only=empty_only)
         if victim is None:
             return
         try:
@@ -174,6 +179,7 @@ class _FileUpkeep:
             if rejected:
                 await self._in_thread(self._appender.log, rejected)
             await self._flush_touches(force=False)
+            await self._maybe_compact(empty_only=True)  # a lane rolled for its touches
         except (OSError, ClosedError, RuntimeError) as exc:
             logger.debug("storage: journaling reads under %s: %s", self.root_dir, exc)
 

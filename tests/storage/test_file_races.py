@@ -20,6 +20,7 @@ import pytest
 
 from aiohicache.storage import FileBackend, _appender, _file_index
 from aiohicache.storage import _journal as seg
+from aiohicache.storage._file_upkeep import _TOUCH_FLUSH
 
 from .conftest import FMT, make_keys
 from .test_file_sharing import (
@@ -359,3 +360,28 @@ async def test_a_write_overtaken_by_a_later_one_keeps_the_key_in_the_budget(
         for lo in range(0, 600, 50):
             await store.set_from(more[lo:lo + 50], pages(more[lo:lo + 50]))
         assert len(store._index.entries) == 300  # the budget holds
+
+
+# ---------------------------------------------------------------------------- journals
+
+def journal_bytes(root: Path) -> int:
+    return sum(path.stat().st_size for path in root.glob("*.log"))
+
+
+async def test_a_read_mostly_store_keeps_its_journals_bounded(tmp_path: Path) -> None:
+    """Every read is journaled as a touch; with no writes the active segment never filled,
+    so its journal grew 176 bytes a page read, without end (29 MB after 40 reads of 4,096
+    pages). A lane is rolled once its touches pass a limit, and a segment that holds only a
+    journal is compacted away: after as many reads the journals hold the records' entries
+    and at most three lanes' worth of touches (the data segment's, the active lane's, one
+    sealed), and every page is still served, here and after a restart."""
+    keys = make_keys(4096, seed=31)
+    async with FileBackend(tmp_path, FMT, segment_bytes=4 << 20, max_concurrency=1) as store:
+        await store.set_from(keys, pages(keys))
+        records = journal_bytes(tmp_path)
+        for _ in range(40):
+            assert await read(store, keys) == written(keys)
+        lane = (1 << 20) + seg.ENTRY_SIZE * _TOUCH_FLUSH  # the limit (1 MiB at least), a flush
+        assert journal_bytes(tmp_path) <= records + 3 * lane
+        assert len(segments(tmp_path)) <= 3
+    assert await served_after_restart(tmp_path, keys) == written(keys)
