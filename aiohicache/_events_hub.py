@@ -61,6 +61,9 @@ class _Hub:
             stream._end()
             return stream
         self._call_soon = _soon_caller()
+        # NOTE: the open batch holds changes made before this stream existed (and already in
+        # its snapshot): seal it for the others first, or the new stream gets them twice.
+        self.flush()
         self._streams.add(stream)
         if not self._attached:
             self._attached = True
@@ -89,7 +92,7 @@ class _Hub:
         if self.closed:
             return
         self._pending.append(AllBlocksCleared())
-        self._flush()
+        self.flush()
         self.closed = True
         for stream in list(self._streams):
             stream._end()
@@ -128,9 +131,11 @@ class _Hub:
     def _schedule(self) -> None:
         if not self._scheduled and self._call_soon is not None:
             self._scheduled = True
-            self._call_soon(self._flush)
+            self._call_soon(self.flush)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Seal the changes so far into a batch for every stream; the loop's next turn does
+        it anyway (a batch is one turn), a stream joining or leaving does it sooner."""
         self._scheduled = False
         if not self._pending:
             return

@@ -18,6 +18,8 @@ Medium = Literal["device", "host", "storage"]
 class _Publisher(Protocol):
     """What a stream needs from the hub that feeds it."""
 
+    def flush(self) -> None: ...
+
     def unsubscribe(self, stream: EventStream) -> None: ...
 
 
@@ -66,7 +68,8 @@ class EventBatch:
 class EventStream:
     """One subscriber's bounded queue of batches; an async iterator and context manager.
 
-    Leaving the block (or `aclose`) unsubscribes; so does dropping the last reference. Full
+    Leaving the block (or `aclose`) unsubscribes, after sealing the changes made until then
+    into a last batch; dropping the last reference unsubscribes too (that batch lost). Full
     (`max_batches` unread): new batches are dropped and counted in `dropped`.
 
     NOTE: a deque and an `anyio.Event`, not a memory object stream: the hub must drop the
@@ -123,6 +126,13 @@ class EventStream:
         return self._queue.popleft() if self._queue else None
 
     async def aclose(self) -> None:
+        """Unsubscribe; the changes made until now still arrive, then the stream ends.
+        Idempotent.
+
+        Cancellation: never suspends, so it always completes.
+        """
+        if not self._closed:
+            self._hub.flush()  # the open batch: this turn's changes, not sealed yet
         self._hub.unsubscribe(self)
         self._end()
 

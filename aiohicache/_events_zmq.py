@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self, get_args
 
 import anyio
 import anyio.abc
 
-from ._events_stream import BlockRemoved, BlockStored, EventBatch, EventStream
+from ._events_stream import BlockRemoved, BlockStored, EventBatch, EventStream, Medium
+from ._validate import check_choice, check_int, check_number
+from .errors import ConfigError
 
 if TYPE_CHECKING:
     from .api import HiCache
@@ -71,13 +74,24 @@ class ZmqEventPublisher:
     then ``[-1, b""]``. A batch the PUB socket cannot take at once (past `hwm`) is dropped and
     counted in `dropped`; subscribers see the gap and replay it. Sequence numbers are the
     cache's batch numbers, so batches this publisher's own stream dropped (it fell
-    `max_batches` behind) are gaps too, which replay cannot fill.
+    `max_batches` behind) are gaps too, which replay cannot fill. So is a batch that cannot be
+    encoded (a bug): it is skipped, logged at ERROR and counted in `failed`, and publishing
+    goes on, as vLLM's publisher does; telemetry never stops the cache.
+
+    A replay waits for a slow client rather than drop what its pipe cannot take yet; one
+    that takes longer than `replay_timeout_s` is abandoned (no end marker comes), since
+    requests are served one at a time. Leaving the block publishes the changes made until
+    then, and closes the sockets even when the block is cancelled.
 
         async with HiCache(config) as cache, ZmqEventPublisher(cache, "tcp://*:5557",
                                                                replay_endpoint="tcp://*:5558"):
             ...
 
     Needs the ``metrics`` extra (pyzmq, msgpack).
+
+    Raises:
+        ConfigError: an option is out of range, or `medium_names` lacks a medium (publishing
+            would stop at its first event) or names an unknown one.
     """
 
     def __init__(self, cache: HiCache, endpoint: str = "tcp://*:5557", *,
@@ -85,19 +99,26 @@ class ZmqEventPublisher:
                  buffer_steps: int = 10_000, hwm: int = 100_000, max_batches: int = 1024,
                  hash_format: Literal["int", "bytes"] = "int",
                  medium_names: Mapping[str, str] = DEFAULT_MEDIUM_NAMES,
-                 data_parallel_rank: int | None = None) -> None:
+                 data_parallel_rank: int | None = None,
+                 replay_timeout_s: float = 10.0) -> None:
         self.cache = cache
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
-        self.hwm = hwm
-        self.max_batches = max_batches
+        self.hwm = check_int("hwm", hwm, low=1)  # NOTE: 0 is "no limit" to ZMQ
+        self.max_batches = check_int("max_batches", max_batches, low=1)
+        check_choice("hash_format", hash_format, ("int", "bytes"))
         self.hash_format = hash_format
-        self.medium_names = dict(medium_names)
-        self.data_parallel_rank = data_parallel_rank
+        self.medium_names = _checked_medium_names(medium_names)
+        self.data_parallel_rank = (None if data_parallel_rank is None else
+                                   check_int("data_parallel_rank", data_parallel_rank, low=0))
+        self.replay_timeout_s = check_number("replay_timeout_s", replay_timeout_s, low=0,
+                                             low_open=True)
         self.dropped = 0
         self.sent = 0
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.failed = 0
+        self._buffer: deque[tuple[int, bytes]] = deque(
+            maxlen=check_int("buffer_steps", buffer_steps, low=1))
         self._tasks: anyio.abc.TaskGroup | None = None
         self._stream: EventStream | None = None
         self._ctx: Any = None
@@ -105,22 +126,24 @@ class ZmqEventPublisher:
         self._router: Any = None
 
     async def __aenter__(self) -> Self:
-        import zmq
-        import zmq.asyncio
+        """Bind the sockets and start publishing.
 
-        self._ctx = zmq.asyncio.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.sndhwm = self.hwm
-        self._pub.bind(self.endpoint)
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        if self.replay_endpoint is not None:
-            self._router = self._ctx.socket(zmq.ROUTER)
-            self._router.bind(self.replay_endpoint)
-            self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._stream = self.cache.events(max_batches=self.max_batches)
+        Raises:
+            RuntimeError: the publisher is already open.
+            zmq.ZMQError: an endpoint cannot be bound; nothing is left open.
+        """
+        if self._ctx is not None:
+            raise RuntimeError("ZmqEventPublisher: already open")
+        try:
+            self._bind()
+            self._stream = stream = self.cache.events(max_batches=self.max_batches)
+        except BaseException:
+            self._close_sockets()
+            raise
+        # NOTE: entering a task group has no checkpoint: nothing past here can fail.
         self._tasks = anyio.create_task_group()
         await self._tasks.__aenter__()
-        self._tasks.start_soon(self._contained, self._publish,
+        self._tasks.start_soon(self._contained, partial(self._publish, stream),
                                name="aiohicache-events-publish")
         if self._router is not None:
             self._tasks.start_soon(self._contained, self._serve_replay,
@@ -132,22 +155,58 @@ class ZmqEventPublisher:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Publish what is queued, then close the sockets. Idempotent.
+        """Publish the changes made up to now, then close the sockets. Idempotent.
 
         Call it from the task that entered the publisher (its task group is scoped there).
+
+        Cancellation: the queued batches are sent before the first wait, and the sockets
+        close whatever happens; the cancellation is then re-raised.
         """
-        if self._stream is not None:
-            while (batch := self._stream.get_nowait()) is not None:
-                self._send(batch)
-            await self._stream.aclose()
-            self._stream = None
-        if self._tasks is not None:
-            self._tasks.cancel_scope.cancel()
-            await self._tasks.__aexit__(None, None, None)
-            self._tasks = None
+        tasks, self._tasks = self._tasks, None
+        try:
+            await self._send_the_rest()
+            if tasks is not None:
+                tasks.cancel_scope.cancel()
+                # NOTE: re-raises a cancellation of the caller (this scope wraps its
+                # `async with` body); the `finally` is what still closes the sockets.
+                await tasks.__aexit__(None, None, None)
+        finally:
+            self._close_sockets()
+
+    def _bind(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._ctx = zmq.asyncio.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.sndhwm = self.hwm
+        self._pub.bind(self.endpoint)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.replay_endpoint is not None:
+            self._router = self._ctx.socket(zmq.ROUTER)
+            # NOTE: a plain ROUTER drops what a client's full pipe cannot take, the end
+            # marker too; mandatory makes the send wait instead (or fail: client gone).
+            self._router.router_mandatory = 1
+            self._router.bind(self.replay_endpoint)
+            self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _close_sockets(self) -> None:
         if self._ctx is not None:
-            self._ctx.destroy(linger=0)
-            self._ctx = None
+            self._ctx.destroy(linger=0)  # closes every socket it made
+        self._ctx = self._pub = self._router = None
+
+    async def _send_the_rest(self) -> None:
+        """Send what the stream holds, the open batch sealed into it first.
+
+        NOTE: nothing here waits (`EventStream.aclose` never suspends), so a cancellation
+        cannot cut it short.
+        """
+        stream, self._stream = self._stream, None
+        if stream is None:
+            return
+        await stream.aclose()
+        while (batch := stream.get_nowait()) is not None:
+            self._send(batch)
 
     @staticmethod
     async def _contained(work: Callable[[], Awaitable[None]]) -> None:
@@ -160,20 +219,27 @@ class ZmqEventPublisher:
         try:
             await work()
         except Exception:
-            log.warning("KV event publisher task failed", exc_info=True)
+            log.exception("KV event publisher task failed; it stopped")
 
-    async def _publish(self) -> None:
-        assert self._stream is not None
-        async for batch in self._stream:
+    async def _publish(self, stream: EventStream) -> None:
+        """Send each batch as it comes; `aclose` sends the rest (this may not have started)."""
+        async for batch in stream:
             self._send(batch)
 
     def _send(self, batch: EventBatch) -> None:
         import zmq
 
-        payload = encode_batch(batch, hash_format=self.hash_format,
-                               medium_names=self.medium_names,
-                               data_parallel_rank=self.data_parallel_rank)
         seq = batch.seq  # a batch the stream dropped is a gap here too (not replayable)
+        try:
+            payload = encode_batch(batch, hash_format=self.hash_format,
+                                   medium_names=self.medium_names,
+                                   data_parallel_rank=self.data_parallel_rank)
+        except Exception:
+            # NOTE: a bug, or `medium_names` edited since construction. Skipping the batch
+            # keeps the later ones flowing; subscribers see its seq as a gap.
+            self.failed += 1
+            log.exception("KV event batch %d could not be encoded; skipped", seq)
+            return
         self._buffer.append((seq, payload))
         try:
             # NOTE: a PUB socket never blocks; NOBLOCK makes "past the high-water mark" an
@@ -186,14 +252,63 @@ class ZmqEventPublisher:
             log.debug("KV event batch %d dropped (PUB high-water mark)", seq)
 
     async def _serve_replay(self) -> None:
+        """Answer replay requests one at a time, each for at most `replay_timeout_s`."""
+        import zmq
+
         while True:
             frames = await self._router.recv_multipart()
             if len(frames) < 3:
                 continue
             client, start = frames[0], int.from_bytes(frames[-1], "big")
-            for seq, payload in list(self._buffer):
-                if seq >= start:
-                    await self._router.send_multipart(
-                        [client, b"", seq.to_bytes(8, "big"), payload])
-            await self._router.send_multipart([client, b"", END_SEQ, b""])
+            with anyio.move_on_after(self.replay_timeout_s) as scope:
+                try:
+                    await self._replay(client, start)
+                except zmq.ZMQError as exc:  # unroutable: the client left mid-replay
+                    log.debug("KV event replay abandoned: %s", exc)
+            if scope.cancelled_caught:
+                log.warning("KV event replay to a client took over %gs; abandoned",
+                            self.replay_timeout_s)
 
+    async def _replay(self, client: bytes, start: int) -> None:
+        for seq, payload in list(self._buffer):  # a copy: batches keep arriving meanwhile
+            if seq >= start:
+                await self._send_replay([client, b"", seq.to_bytes(8, "big"), payload])
+        await self._send_replay([client, b"", END_SEQ, b""])
+
+    async def _send_replay(self, frames: list[bytes]) -> None:
+        """Send to one client, waiting while its pipe is full.
+
+        Cancellation: the message is not sent (a multipart message goes whole or not at all).
+        """
+        import zmq
+
+        while True:
+            try:
+                await self._router.send_multipart(frames)
+                return
+            except zmq.Again:
+                # NOTE: a mandatory ROUTER is writable when any client's pipe has room; this
+                # one's may still be full. Look again shortly.
+                await anyio.sleep(_REPLAY_RETRY_S)
+
+
+_REPLAY_RETRY_S = 0.005
+
+
+def _checked_medium_names(names: Mapping[str, str]) -> dict[str, str]:
+    """`names` as a dict, if it gives a str for each medium and names no other."""
+    media = get_args(Medium)
+    missing = [m for m in media if m not in names]
+    if missing:
+        raise ConfigError(f"medium_names: no name for {', '.join(map(repr, missing))} "
+                          f"(publishing would stop at its first event); give one for each "
+                          f"of {', '.join(map(repr, media))}")
+    unknown = [k for k in names if k not in media]
+    if unknown:
+        raise ConfigError(f"medium_names: unknown medium {', '.join(map(repr, unknown))}; "
+                          f"the media are {', '.join(map(repr, media))}")
+    not_str = [k for k, v in names.items() if not isinstance(v, str)]
+    if not_str:
+        raise ConfigError(f"medium_names: the name of {', '.join(map(repr, not_str))} must "
+                          f"be a str")
+    return dict(names)

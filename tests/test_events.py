@@ -121,6 +121,35 @@ async def test_a_late_subscriber_starts_from_a_snapshot_and_the_stream_ends_on_c
     assert batches and isinstance(batches[-1].events[-1], AllBlocksCleared)
 
 
+async def test_a_snapshot_does_not_repeat_the_changes_it_already_holds() -> None:
+    """The open batch (changes of this loop turn, not sealed yet) went to a stream that
+    subscribed during the turn too, after a snapshot that already held them: pages were
+    stored twice in its model."""
+    async with make_cache(device_pages=16, host_pages=24) as cache:
+        root, first = root_of(cache), cache.events()
+        await prefill(cache, list(range(40)))  # its changes are still the open batch
+        late = cache.events(snapshot=True)
+        await settle(cache)
+        model: Model = set()
+        while (batch := late.get_nowait()) is not None:
+            apply(model, batch, root)  # asserts no page is stored twice
+        assert model == tree_state(cache)
+        await first.aclose()
+        await late.aclose()
+
+
+async def test_leaving_a_stream_keeps_the_changes_made_before() -> None:
+    """Closing a stream unsubscribed before the loop sealed the open batch, so the
+    changes of that last turn never reached it."""
+    async with make_cache(device_pages=16, host_pages=24) as cache:
+        async with cache.events() as stream:
+            await prefill(cache, list(range(40)))
+        model: Model = set()
+        async for batch in stream:
+            apply(model, batch, root_of(cache))
+        assert model == tree_state(cache) and model
+
+
 async def test_a_slow_subscriber_drops_batches_and_never_blocks_the_cache() -> None:
     async with make_cache(device_pages=16, host_pages=24) as cache:
         slow, fast = cache.events(max_batches=2), cache.events()
