@@ -203,6 +203,8 @@ def hub_of(cache: HiCache) -> _Hub:
     hub: _Hub | None = getattr(cache, "_event_hub", None)
     if hub is None:
         hub = _Hub(cache)
+        # NOTE: a closed cache never closes a hub made now: its streams would never end
+        hub.closed = cache._core.state == "closed"
         cache._event_hub = hub  # type: ignore[attr-defined]
     return hub
 

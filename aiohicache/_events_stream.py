@@ -96,8 +96,11 @@ class EventStream:
         self._wake()
 
     def _wake(self) -> None:
+        # NOTE: one event shared by every reader waiting now, replaced once set: a reader
+        # that made its own replaced the one an earlier reader waited on, which then hung
         if self._waiter is not None:
             self._waiter.set()
+            self._waiter = None
 
     def _end(self) -> None:
         self._closed = True
@@ -114,11 +117,9 @@ class EventStream:
         while not self._queue:
             if self._closed:
                 raise StopAsyncIteration
-            self._waiter = anyio.Event()
-            try:
-                await self._waiter.wait()
-            finally:
-                self._waiter = None
+            if self._waiter is None:
+                self._waiter = anyio.Event()
+            await self._waiter.wait()
         return self._queue.popleft()
 
     def get_nowait(self) -> EventBatch | None:

@@ -240,7 +240,8 @@ class ZmqEventPublisher:
             self.failed += 1
             log.exception("KV event batch %d could not be encoded; skipped", seq)
             return
-        self._buffer.append((seq, payload))
+        if self.replay_endpoint is not None:  # else nobody can ask: up to GBs kept for none
+            self._buffer.append((seq, payload))
         try:
             # NOTE: a PUB socket never blocks; NOBLOCK makes "past the high-water mark" an
             # error we count instead of a silent drop.

@@ -6,6 +6,7 @@ import asyncio
 import random
 from typing import Any
 
+import anyio
 import msgpack
 import numpy as np
 import pytest
@@ -148,6 +149,41 @@ async def test_leaving_a_stream_keeps_the_changes_made_before() -> None:
         async for batch in stream:
             apply(model, batch, root_of(cache))
         assert model == tree_state(cache) and model
+
+
+async def test_a_stream_of_a_closed_cache_ends_at_once() -> None:
+    """Asking a closed cache for events made a hub nobody would close: the stream never
+    ended and its reader hung."""
+    cache = make_cache(device_pages=16, host_pages=24)
+    async with cache:
+        await prefill(cache, list(range(40)))
+    with anyio.fail_after(5):
+        assert [b async for b in cache.events()] == []
+        assert [b async for b in cache.events(snapshot=True)] == []
+
+
+async def test_two_readers_of_one_stream_both_get_batches() -> None:
+    """Each waiting reader replaced the stream's one wake-up: the first reader was never
+    woken again, by a batch or by the end."""
+    async with make_cache(device_pages=16, host_pages=24) as cache:
+        stream = cache.events()
+        got: list[int] = []
+
+        async def read() -> None:
+            async for batch in stream:
+                got.append(batch.seq)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            tg.start_soon(read)
+            await anyio.sleep(0.01)  # both readers wait
+            await prefill(cache, list(range(40)))
+            await settle(cache)
+            await prefill(cache, list(range(100, 140)))
+            await settle(cache)
+            with anyio.fail_after(5):
+                await stream.aclose()  # both readers end
+        assert got and got == sorted(set(got))
 
 
 async def test_a_slow_subscriber_drops_batches_and_never_blocks_the_cache() -> None:

@@ -314,3 +314,13 @@ async def test_the_changes_just_before_leaving_are_published() -> None:
         async with ZmqEventPublisher(cache, LOCAL, replay_endpoint=LOCAL) as pub:
             await prefill(cache, make_tokens(16))
         assert pub.sent >= 1
+
+
+async def test_without_a_replay_endpoint_no_batch_is_kept_for_replay() -> None:
+    """Nobody can ask for a replay, yet every batch was kept (`buffer_steps` of them, about
+    1.5 GB at the default with large batches)."""
+    async with make_cache() as cache, ZmqEventPublisher(cache, LOCAL) as pub:
+        await prefill(cache, make_tokens(16))
+        await settle(cache)
+        await until(lambda: pub.sent >= 1)
+        assert not pub._buffer
