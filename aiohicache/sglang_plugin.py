@@ -15,9 +15,10 @@ event loop runs on a thread of this backend's own, and every call is handed to i
 as they expect while the loop serves them all concurrently.
 
 Each SGLang page is one store object of the host pool's flat page bytes, under a key derived
-from SGLang's page hash and the model and TP shard (MLA: one copy for all ranks). Its header
-binds the key, the model and the page layout, and a checksum covers the payload
-(`aiohicache.storage.base`): a damaged, moved or foreign object is a miss.
+from SGLang's page hash, the model, the TP shard (MLA: one copy for all ranks) and, where they
+are split, the pipeline stage and attention-CP rank. Its header binds the key, the model and
+the page layout, and a checksum covers the payload (`aiohicache.storage.base`): a damaged,
+moved or foreign object is a miss.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .errors import ConfigError
 from .storage import BackendStats, PageFormat, StorageBackend, backend_from_url
 
 try:  # subclass SGLang's base class where SGLang is installed: its factory checks for it
@@ -53,7 +55,8 @@ DEFAULT_URL = "file:///tmp/aiohicache-sglang"
 @dataclass
 class StorageStats:
     """What `get_stats` returns: SGLang's ``StorageMetrics`` fields (pages and GB/s of each
-    prefetch and backup batch since the last call), plus the store's counters."""
+    prefetch and backup batch since the last call, kept only with ``enable_storage_metrics``),
+    plus the store's counters."""
 
     prefetch_pgs: list[int] = field(default_factory=list)
     backup_pgs: list[int] = field(default_factory=list)
@@ -89,6 +92,9 @@ class _LoopThread:
             raise
 
     def stop(self) -> None:
+        """Stop the loop and close it once its thread ended (idempotent)."""
+        if self.loop.is_closed():
+            return
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         if not self._thread.is_alive():
@@ -100,7 +106,8 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
 
     Args:
         storage_config: SGLang's ``HiCacheStorageConfig``; read: ``tp_rank``, ``tp_size``,
-            ``is_mla_model``, ``model_name`` and ``extra_config`` keys ``storage_url``
+            ``pp_rank``, ``pp_size``, ``attn_cp_rank``, ``attn_cp_size``, ``is_mla_model``,
+            ``model_name``, ``enable_storage_metrics`` and ``extra_config`` keys ``storage_url``
             (default ``file:///tmp/aiohicache-sglang``; ``redis://host:port/db`` too),
             ``storage_options`` (keyword arguments of the store, e.g. ``capacity_bytes``)
             and ``timeout_s`` (per call, default 30).
@@ -115,13 +122,15 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         self.url = str(extra.get("storage_url", DEFAULT_URL))
         self.options = dict(extra.get("storage_options") or {})
         self.timeout_s = float(extra.get("timeout_s", 30.0))
-        mla = bool(getattr(storage_config, "is_mla_model", False))
-        shard = "mla" if mla else (f"tp={storage_config.tp_rank}/{storage_config.tp_size}")
+        shard = _shard(storage_config)
         self.namespace = f"sglang|{getattr(storage_config, 'model_name', None) or ''}|{shard}"
         self.mem_pool_host: Any = None
         self._backend: StorageBackend | None = None
         self._stored: set[str] = set()  # keys this process wrote, for clear()
         self._stats = StorageStats()
+        # NOTE: SGLang drains `get_stats` only with storage metrics on; without them a record
+        # of every batch would grow for the life of the server
+        self._metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
         self._lock = threading.Lock()
         self._loop = _LoopThread(f"aiohicache-sglang-{shard}")
 
@@ -145,7 +154,7 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
                  fmt.payload_bytes)
 
     def close(self) -> None:
-        """Close the store and stop the loop thread (SGLang calls it on detach)."""
+        """Close the store and stop the loop thread (SGLang calls it on detach); idempotent."""
         backend, self._backend = self._backend, None
         if backend is not None:
             try:
@@ -226,12 +235,20 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
-        """Store each flat page tensor of `values` under its key; True if all were stored."""
+        """Store each flat page tensor of `values` under its key; True if all were stored.
+
+        Raises:
+            ConfigError: a value is not one page's bytes long (nothing is stored).
+        """
         if values is None or len(values) != len(keys):
             return False
         staging = self._staging(len(keys))
         for i, value in enumerate(values):
-            staging[i].copy_(value.contiguous().view(torch.uint8).reshape(-1))
+            raw = value.contiguous().view(torch.uint8).reshape(-1)
+            if raw.numel() != staging.shape[1]:  # copy_ would broadcast a 1-byte value
+                raise ConfigError(f"values[{i}]: {raw.numel()} bytes, a page holds "
+                                  f"{staging.shape[1]}")
+            staging[i].copy_(raw)
         ok = self._call("set", lambda b: b.set_from(self._keys(keys), _views(staging)),
                         [False] * len(keys))
         self._remember(keys, ok)
@@ -291,13 +308,29 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
                                 if stored)
 
     def _record(self, kind: str, ok: Sequence[bool], start: float) -> None:
-        """Note a prefetch or backup batch: pages done and GB/s."""
+        """Note a prefetch or backup batch: pages done and GB/s (with storage metrics)."""
+        if not self._metrics:
+            return
         done = sum(ok)
         seconds = max(time.perf_counter() - start, 1e-9)
         gbps = done * self._require().fmt.payload_bytes / seconds / 1e9
         with self._lock:
             getattr(self._stats, f"{kind}_pgs").append(done)
             getattr(self._stats, f"{kind}_bandwidth").append(gbps)
+
+
+def _shard(storage_config: Any) -> str:
+    """Which part of the model's KV this rank's pages hold: its TP shard (MLA: every rank
+    holds all of it), and its pipeline stage (other layers) and attention-CP rank (another
+    slice of each page) where those are split. Written only when split, as SGLang's own file
+    backend does, so single-stage pages keep their keys."""
+    mla = bool(getattr(storage_config, "is_mla_model", False))
+    shard = "mla" if mla else f"tp={storage_config.tp_rank}/{storage_config.tp_size}"
+    for part in ("pp", "attn_cp"):
+        size = int(getattr(storage_config, f"{part}_size", 1) or 1)
+        if size > 1:
+            shard += f"|{part}={getattr(storage_config, f'{part}_rank')}/{size}"
+    return shard
 
 
 def _views(staging: torch.Tensor) -> list[memoryview]:

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from aiohicache import ConfigError
 from aiohicache.sglang_plugin import AiohicacheStorage, StorageStats
 from tests.storage.redis_server import redis_server, redis_url  # noqa: F401  (fixtures)
 
@@ -110,7 +111,8 @@ def test_backup_then_prefetch_round_trips_pages_bit_exactly(store_url: str) -> N
     src, dst = MHAHostPool(num), MHAHostPool(num)
     src.kv_buffer.copy_(torch.randn_like(src.kv_buffer, dtype=torch.float32))
     keys = page_hashes(list(range(num * PAGE)))
-    writer, reader = make_backend(store_url), make_backend(store_url)
+    writer = make_backend(store_url, enable_storage_metrics=True)
+    reader = make_backend(store_url)
     writer.register_mem_pool_host(src)
     reader.register_mem_pool_host(dst)
     try:
@@ -131,6 +133,29 @@ def test_backup_then_prefetch_round_trips_pages_bit_exactly(store_url: str) -> N
     finally:
         writer.close()
         reader.close()
+
+
+def test_batches_are_recorded_only_for_storage_metrics(tmp_path: Path) -> None:
+    """SGLang drains `get_stats` only with ``enable_storage_metrics`` (off by default): a
+    record of every batch kept without it would grow for the life of the server."""
+    keys = page_hashes(list(range(4 * PAGE)))
+    quiet, counted = (make_backend(f"file://{tmp_path}", enable_storage_metrics=on)
+                      for on in (False, True))
+    try:
+        for backend in (quiet, counted):
+            backend.register_mem_pool_host(MHAHostPool(4))
+            for _ in range(3):
+                assert all(backend.batch_set_v1(keys, indices(range(4))))
+                assert all(backend.batch_get_v1(keys, indices(range(4))))
+        stats = quiet.get_stats()
+        assert (stats.prefetch_pgs, stats.backup_pgs, stats.prefetch_bandwidth,
+                stats.backup_bandwidth) == ([], [], [], [])
+        assert stats.backend is not None  # the store's own counters are always there
+        stats = counted.get_stats()
+        assert stats.prefetch_pgs == stats.backup_pgs == [4, 4, 4]
+    finally:
+        quiet.close()
+        counted.close()
 
 
 def test_exists_counts_the_leading_pages_present(tmp_path: Path) -> None:
@@ -167,6 +192,20 @@ def test_per_key_get_and_set(tmp_path: Path) -> None:
         backend.close()
 
 
+def test_a_value_not_one_page_long_is_refused_and_nothing_is_stored(tmp_path: Path) -> None:
+    backend = make_backend(f"file://{tmp_path}")
+    backend.register_mem_pool_host(MHAHostPool(2))
+    page = torch.randn(2 * LAYERS * PAGE * HEADS * DIM).to(torch.bfloat16)
+    try:
+        for bad in (torch.tensor([7], dtype=torch.uint8),  # would broadcast over the page
+                    page[:-1], page.float()):
+            with pytest.raises(ConfigError, match=r"^values\[1\]: .* bytes"):
+                backend.batch_set(["ab" * 32, "cd" * 32], [page, bad])
+        assert backend.batch_exists(["ab" * 32]) == 0 and backend.get("cd" * 32) is None
+    finally:
+        backend.close()
+
+
 def test_other_models_and_tp_ranks_miss_each_others_pages(tmp_path: Path) -> None:
     url, keys = f"file://{tmp_path}", page_hashes(list(range(4 * PAGE)))
     writer = make_backend(url, tp_rank=0, tp_size=2)
@@ -187,6 +226,37 @@ def test_other_models_and_tp_ranks_miss_each_others_pages(tmp_path: Path) -> Non
     finally:
         for b in [writer, *others, *mla]:
             b.close()
+
+
+@pytest.mark.parametrize("is_mla_model", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("rank", ["pp", "attn_cp"])
+def test_pipeline_and_context_parallel_ranks_miss_each_others_pages(
+        tmp_path: Path, rank: str, is_mla_model: bool) -> None:
+    """A PP stage holds other layers (same page shape when the layers split evenly), an
+    attention-CP rank another slice of every page: each reads only its own pages."""
+    url, keys = f"file://{tmp_path}", page_hashes(list(range(4 * PAGE)))
+    first, second = (make_backend(url, is_mla_model=is_mla_model,
+                                  **{f"{rank}_rank": r, f"{rank}_size": 2}) for r in (0, 1))
+    try:
+        for b in (first, second):
+            b.register_mem_pool_host(MHAHostPool(4))
+        assert all(first.batch_set_v1(keys, indices(range(4))))
+        assert first.batch_exists(keys) == 4
+        assert second.batch_exists(keys) == 0
+        assert second.batch_get_v1(keys, indices(range(4))) == [False] * 4
+    finally:
+        first.close()
+        second.close()
+
+
+def test_close_is_idempotent(tmp_path: Path) -> None:
+    backend = make_backend(f"file://{tmp_path}")
+    backend.register_mem_pool_host(MHAHostPool(2))
+    backend.close()
+    backend.close()
+    make_backend(f"file://{tmp_path}").close()  # never registered: nothing opened to close
+    with pytest.raises(RuntimeError, match="register_mem_pool_host"):
+        backend.batch_exists(page_hashes(list(range(PAGE))))
 
 
 def test_a_failing_store_is_a_miss_never_none() -> None:

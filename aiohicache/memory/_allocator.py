@@ -66,11 +66,15 @@ class PageAllocator:
         """Give `pages` back. Nothing is freed if any id is foreign, free or repeated.
 
         Raises:
-            PageError: an id is outside the pool, not allocated, or listed twice.
+            PageError: an id is not an integer, outside the pool, not allocated, or listed
+                twice.
         """
-        ids = np.asarray(pages, dtype=np.int64).reshape(-1)
-        if len(ids) == 0:
+        arr = np.asarray(pages)
+        if arr.size == 0:
             return
+        if arr.dtype.kind not in "iu":  # a cast would turn 0.9 or True into another page
+            raise PageError(f"{self._name}: page ids must be integers, got {arr.dtype}")
+        ids = arr.astype(np.int64, copy=False).reshape(-1)
         if len(ids) <= _SCALAR_CHECK:
             self._check_few(ids.tolist())
         else:

@@ -34,8 +34,9 @@ class Registration:
         runtime = cudart if cudart is not None else _cudart()
         self.ptr = tensor.data_ptr()
         self.nbytes = tensor.numel() * tensor.element_size()
-        _check(runtime.cudaHostRegister(self.ptr, self.nbytes, _HOST_REGISTER_DEFAULT),  # type: ignore[attr-defined]
-               f"cudaHostRegister of {self.nbytes} bytes")
+        if self.nbytes:  # 0 bytes (host_pages=0): nothing to lock, and CUDA refuses them
+            _check(runtime.cudaHostRegister(self.ptr, self.nbytes, _HOST_REGISTER_DEFAULT),  # type: ignore[attr-defined]
+                   f"cudaHostRegister of {self.nbytes} bytes")
         # Unregister before the memory can go back to the allocator: the finalizer holds the
         # tensor, so the bytes outlive the registration even if the owner drops both at once.
         self._finalizer = weakref.finalize(self, _unregister, runtime, self.ptr, tensor)
@@ -61,6 +62,8 @@ def _cudart() -> object:
 
 
 def _unregister(runtime: object, ptr: int, tensor: torch.Tensor) -> None:
+    if tensor.numel() == 0:
+        return  # nothing was registered
     unregister: Callable[[int], object] = runtime.cudaHostUnregister  # type: ignore[attr-defined]
     try:
         _check(unregister(ptr), "cudaHostUnregister")

@@ -13,8 +13,9 @@ from typing import Literal
 import numpy as np
 import torch
 
+from .._validate import check_int
 from ..config import KVSpec
-from ..errors import ConfigError
+from ..errors import ConfigError, PageError
 from ._allocator import PageAllocator, PageIds
 from ._pinned import register
 
@@ -29,6 +30,8 @@ class _PagePool:
 
     def __init__(self, spec: KVSpec, *, num_pages: int, page_size: int, name: str,
                  field: str, device: torch.device) -> None:
+        check_int(field, num_pages, low=0)
+        check_int("page_size", page_size, low=1)
         _check_fits(field, num_pages, page_size, spec, device)
         self.spec = spec
         self.num_pages = num_pages
@@ -205,7 +208,12 @@ class HostPool(_PagePool):
         """All KV of one page as a ``[num_kv, num_layers, page_size, *row]`` tensor.
 
         A view for ``page_first``; a gathered copy for ``layer_first``.
+
+        Raises:
+            PageError: `page` is not an id in this pool (a negative one is not counted from
+                the end).
         """
+        check_int("page", page, low=0, high=self.num_pages - 1, numpy_ok=True, error=PageError)
         if self.layout == "page_first":
             return self.data[page]
         return self.data[:, :, page].clone()
@@ -224,8 +232,6 @@ def _check_fits(field: str, num_pages: int, page_size: int, spec: KVSpec,
         ConfigError: ``device_pages: ...`` or ``host_pages: ...`` with the bytes needed and
             those there are.
     """
-    if not all(type(x) is int for x in (num_pages, page_size)):
-        return  # not a size: PageAllocator and the tensor constructor say so
     kv_bytes = num_pages * page_size * spec.bytes_per_token
     host_bytes = num_pages * _ID_BYTES + (kv_bytes if device.type == "cpu" else 0)
     ram = _physical_memory()

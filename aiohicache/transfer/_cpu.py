@@ -19,7 +19,7 @@ from ..errors import ClosedError
 from ..memory import DevicePool, HostPool, PageIds
 from ._base import TransferHandle
 from ._copy import CopyPlan, as_words, copy_pages
-from ._geometry import check_copy, layer_spans
+from ._geometry import Geometry, check_copy, layer_spans
 from ._native import native_copier
 
 __all__ = ("CpuTransferEngine", "copy_layer", "numpy_layers", "word_views")
@@ -45,10 +45,15 @@ class _Stream:
 
 
 class CpuTransferEngine:
-    """Copies pages between a CPU `DevicePool` and a `HostPool` off the event loop."""
+    """Copies pages between a CPU `DevicePool` and a `HostPool` off the event loop.
+
+    Raises:
+        ConfigError: the pools differ in spec or page size (whichever copier is used).
+    """
 
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, *,
                  inline_bytes: int = 1 << 20) -> None:
+        Geometry.of(device_pool, host_pool)  # the numpy copies would move mismatched bytes
         self.device_pool = device_pool
         self.inline_bytes = inline_bytes
         """Copies up to this size run on the event loop when their stream is idle. A copy of

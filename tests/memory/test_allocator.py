@@ -81,6 +81,18 @@ def test_a_long_free_with_one_bad_id_raises_and_frees_nothing(num: int, bad: obj
     assert alloc.is_used(pages[:150]).all()
 
 
+@pytest.mark.parametrize("ids", [[0.9], np.array([0.5, 1.7]), [True], np.arange(20) + 0.5],
+                         ids=["float", "floats", "bool", "long-floats"])
+def test_ids_that_are_not_integers_are_refused_and_free_nothing(ids: object) -> None:
+    """A float or bool id would be cast to another page (0.9 to 0), freeing a page someone
+    still holds."""
+    alloc = PageAllocator(32)
+    pages = alloc.alloc(24)
+    with pytest.raises(PageError, match="integers"):
+        alloc.free(ids)  # type: ignore[arg-type]
+    assert alloc.num_used == 24 and alloc.is_used(pages).all()
+
+
 def test_repeated_id_in_one_free_is_detected() -> None:
     alloc = PageAllocator(8)
     alloc.alloc(4)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from aiohicache import ConfigError, HiCache, HiCacheConfig, KVSpec
+from aiohicache import ConfigError, HiCache, HiCacheConfig, KVSpec, PageError
 from aiohicache.memory import DevicePool, HostPool
 
 SPEC = KVSpec.mha(num_layers=2, num_kv_heads=1, head_dim=16, dtype="fp16")
@@ -51,6 +51,33 @@ def test_pools_that_fit_are_made() -> None:
     pool = HostPool(SPEC, num_pages=4, page_size=16)
     assert pool.nbytes == 4 * 16 * SPEC.bytes_per_token
     assert DevicePool(SPEC, num_pages=4, page_size=16).nbytes == pool.nbytes
+
+
+@pytest.mark.parametrize(("pool", "pages_field"), [(DevicePool, "device_pages"),
+                                                   (HostPool, "host_pages")])
+@pytest.mark.parametrize("sizes", [{"page_size": 0}, {"page_size": -1}, {"page_size": True},
+                                   {"page_size": 4.0}, {"num_pages": -1}, {"num_pages": True}])
+def test_pool_sizes_that_are_not_counts_are_refused_by_name(
+        pool: type[DevicePool | HostPool], pages_field: str, sizes: dict[str, object]) -> None:
+    """A page of 0 tokens would make a pool that holds nothing and a slot map that divides
+    by zero; each bad size is a ConfigError naming its field, as `HiCacheConfig` does."""
+    field = "page_size" if "page_size" in sizes else pages_field
+    with pytest.raises(ConfigError, match=f"^{field}: must be "):
+        pool(SPEC, **{"num_pages": 4, "page_size": 4, **sizes})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_page_tensor_is_that_page_and_refuses_ids_outside_the_pool(layout: str) -> None:
+    pool = HostPool(SPEC, num_pages=3, page_size=2, layout=layout)  # type: ignore[arg-type]
+    pool.data.copy_(torch.arange(pool.data.numel()).view_as(pool.data))
+    for page in range(3):  # [num_kv, num_layers, page_size, *row], from the layer views
+        expected = torch.stack([torch.stack([pool.layer_view(kv, layer)[page]
+                                             for layer in range(SPEC.num_layers)])
+                                for kv in range(SPEC.num_kv)])
+        assert torch.equal(pool.page_tensor(page), expected)
+    for bad in (-1, 3, 1.0):  # -1 used to wrap around to the last page
+        with pytest.raises(PageError, match="^page: "):
+            pool.page_tensor(bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.gpu

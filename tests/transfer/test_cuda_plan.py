@@ -382,6 +382,29 @@ def test_a_dropped_registration_unregisters_before_its_memory_is_freed() -> None
     assert cudart.calls == [("register", ptr, 4096), ("unregister", ptr, 0)]
 
 
+class StrictCudart(RecordingCudart):
+    """As CUDA does: a null pointer or a size of 0 is ``cudaErrorInvalidValue`` (1)."""
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        super().cudaHostRegister(ptr, size, flags)
+        return 1 if ptr == 0 or size == 0 else 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        super().cudaHostUnregister(ptr)
+        return 1 if ptr == 0 else 0
+
+
+def test_an_empty_host_pool_is_pinned_without_asking_cuda() -> None:
+    """host_pages=0 (no L2) on CUDA pins a pool of 0 bytes, which CUDA refuses to register:
+    there is nothing to lock, so nothing is registered and the pool still counts as pinned."""
+    cudart = StrictCudart()
+    data = torch.zeros((0, 2, 3, 4, 8), dtype=torch.bfloat16)
+    reg = Registration(data, cudart=cudart)
+    assert reg.active and reg.nbytes == 0
+    reg.close()
+    assert not reg.active and cudart.calls == []
+
+
 def test_a_failed_registration_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="cudaHostRegister"):
         Registration(torch.zeros(16), cudart=RecordingCudart(status=2))

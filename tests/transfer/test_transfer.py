@@ -267,6 +267,21 @@ async def test_a_page_id_past_its_pool_is_refused_before_any_copy(to_device: boo
     assert torch.equal(host.data.view(torch.uint8), host_before.view(torch.uint8))
 
 
+@pytest.mark.parametrize("host_spec", [
+    KVSpec.mha(num_layers=3, num_kv_heads=2, head_dim=16, dtype="fp16"),  # same bytes a row
+    KVSpec.mha(num_layers=3, num_kv_heads=1, head_dim=32, dtype="bf16"),  # ... other heads
+    SPECS["mha-bf16"],  # the same spec, another page size (below)
+])
+@pytest.mark.usefixtures("copier")
+def test_pools_of_another_spec_or_page_size_are_refused(host_spec: KVSpec) -> None:
+    """Either copier refuses them when the engine is made; the numpy one used to copy the
+    bytes as they were (KV of one dtype or head split read as another's)."""
+    dev = DevicePool(SPECS["mha-bf16"], num_pages=4, page_size=4)
+    page_size = 8 if host_spec == dev.spec else 4
+    with pytest.raises(ConfigError, match="^host pool: must hold the device pool's spec"):
+        CpuTransferEngine(dev, HostPool(host_spec, num_pages=4, page_size=page_size))
+
+
 # --- fences ---------------------------------------------------------------------------------
 
 
