@@ -125,6 +125,7 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         shard = _shard(storage_config)
         self.namespace = f"sglang|{getattr(storage_config, 'model_name', None) or ''}|{shard}"
         self.mem_pool_host: Any = None
+        self._page_dtype = torch.uint8
         self._backend: StorageBackend | None = None
         self._stored: set[str] = set()  # keys this process wrote, for clear()
         self._stats = StorageStats()
@@ -140,6 +141,7 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         """Adopt SGLang's host pool: its flat page is the unit stored; the store opens here."""
         self.mem_pool_host = mem_pool_host
         page = mem_pool_host.get_dummy_flat_data_page()
+        self._page_dtype = page.dtype  # NOTE: asked once: each call makes a page
         layout = getattr(mem_pool_host, "layout", "?")
         fmt = PageFormat.make(
             namespace=self.namespace, page_size=int(mem_pool_host.page_size),
@@ -217,6 +219,7 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
         targets = list(target_locations or [None] * len(keys))
         staging = self._staging(len(keys))
+        _check_targets(targets, staging.shape[1], self._page_dtype)
         ok = self._call("get", lambda b: b.get_into(self._keys(keys), _views(staging)),
                         [False] * len(keys))
         out: list[torch.Tensor | None] = []
@@ -272,11 +275,6 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         return stats
 
     # ---------------------------------------------------------------- internals
-
-    @property
-    def _page_dtype(self) -> torch.dtype:
-        dtype: torch.dtype = self.mem_pool_host.get_dummy_flat_data_page().dtype
-        return dtype
 
     def _keys(self, keys: Sequence[str]) -> list[str]:
         """Store keys: SGLang's page hash bound to this model and shard, as 64 hex digits."""
@@ -335,3 +333,15 @@ def _shard(storage_config: Any) -> str:
 
 def _views(staging: torch.Tensor) -> list[memoryview]:
     return [memoryview(row.numpy()) for row in staging]
+
+
+def _check_targets(targets: Sequence[Any], page_bytes: int, dtype: torch.dtype) -> None:
+    """Refuse, before reading, a target that cannot hold exactly one page as it is stored
+    (another dtype of the same size would be filled with converted values)."""
+    for i, target in enumerate(targets):
+        if target is None:
+            continue
+        size = target.numel() * target.element_size()
+        if size != page_bytes or target.dtype != dtype:
+            raise ConfigError(f"target_locations[{i}]: {size} bytes of {target.dtype}, a page "
+                              f"holds {page_bytes} bytes of {dtype}")

@@ -206,6 +206,44 @@ def test_a_value_not_one_page_long_is_refused_and_nothing_is_stored(tmp_path: Pa
         backend.close()
 
 
+def test_a_target_not_one_page_long_is_refused_before_reading(tmp_path: Path) -> None:
+    """A wrong-size target got torch's RuntimeError, after the read."""
+    backend = make_backend(f"file://{tmp_path}")
+    backend.register_mem_pool_host(MHAHostPool(2))
+    page = torch.randn(2 * LAYERS * PAGE * HEADS * DIM).to(torch.bfloat16)
+    try:
+        assert backend.set("ab" * 32, page)
+        for bad in (page[:-1].clone(), page.float(), page.half()):
+            with pytest.raises(ConfigError, match=r"^target_locations\[0\]: .* bytes"):
+                backend.batch_get(["ab" * 32], [bad])
+    finally:
+        backend.close()
+
+
+def test_reads_do_not_allocate_a_page_to_learn_the_dtype(tmp_path: Path) -> None:
+    """Every page read asked the host pool for a new dummy page (8 MiB for Llama-8B with
+    64-token pages), only to read its dtype."""
+    backend = make_backend(f"file://{tmp_path}")
+    pool = MHAHostPool(BATCH)
+    backend.register_mem_pool_host(pool)
+    made = 0
+    real = pool.get_dummy_flat_data_page
+
+    def counted() -> torch.Tensor:
+        nonlocal made
+        made += 1
+        return real()
+    pool.get_dummy_flat_data_page = counted  # type: ignore[method-assign]
+    keys = page_hashes(list(range(BATCH * PAGE)))
+    try:
+        assert all(backend.batch_set_v1(keys, indices(range(BATCH))))
+        assert all(backend.batch_get_v1(keys, indices(range(BATCH))))
+        assert all(page is not None for page in backend.batch_get(keys))
+        assert made == 0
+    finally:
+        backend.close()
+
+
 def test_other_models_and_tp_ranks_miss_each_others_pages(tmp_path: Path) -> None:
     url, keys = f"file://{tmp_path}", page_hashes(list(range(4 * PAGE)))
     writer = make_backend(url, tp_rank=0, tp_size=2)
