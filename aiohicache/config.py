@@ -307,8 +307,8 @@ class HiCacheConfig:
         return self.l3.prefetch_timeout(num_tokens)
 
     def _check_host(self) -> None:
-        if self.host_pages is not None and self.host_pages != 0:  # 0: no L2 tier
-            _positive_int("host_pages", self.host_pages)
+        if self.host_pages is not None:  # 0: no L2 tier (not False or 0.0: they compare equal)
+            check_int("host_pages", self.host_pages, low=0)
         if self.host_bytes is not None:
             _positive_int("host_bytes", self.host_bytes)
             if self.host_bytes < self.page_bytes:

@@ -87,6 +87,8 @@ def test_config_is_frozen_and_keyword_only() -> None:
     ({"device_pages": -1}, "device_pages"),
     ({"device": "tpu"}, "device"),
     ({"host_pages": -1}, "host_pages"),
+    ({"host_pages": False}, "host_pages"),
+    ({"host_pages": 0.0}, "host_pages"),
     ({"host_pages": None, "host_bytes": 1}, "host_bytes"),
     ({"host_pages": None, "host_ratio": float("nan")}, "host_ratio"),
     ({"host_layout": "page_head"}, "host_layout"),
