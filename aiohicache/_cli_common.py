@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -10,6 +11,7 @@ import anyio
 import click
 
 from .errors import ConfigError
+from .replay import Request, load_trace
 from .replay.runner import eviction_tiers
 from .storage import check_url
 
@@ -74,15 +76,53 @@ def int_list(lo: int, hi: int) -> Callable[[click.Context, click.Parameter, str]
     return parse
 
 
+class FiniteFloatRange(click.FloatRange):
+    """`click.FloatRange` that also refuses ``nan`` and ``inf``.
+
+    NOTE: FloatRange lets ``nan`` through (every comparison with it is false), and ``inf``
+    passes any lower bound; an option that takes either would quietly do nothing.
+    """
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
 def evictions(ctx: click.Context, param: click.Parameter, text: str) -> list[str]:
-    """Callback of ``replay --eviction``: policies (or L1:L2 pairs), comma-separated."""
+    """Callback of ``replay --eviction``: policies (or L1:L2 pairs), comma-separated, each
+    once (``lru`` and ``lru:lru`` are one policy: a second replay would print the same
+    numbers again)."""
     items = comma_list(ctx, param, text) or []
+    seen: dict[tuple[str, str], str] = {}
     for item in items:
         try:
-            eviction_tiers(item)
+            tiers = eviction_tiers(item)
         except ConfigError as exc:
             raise click.BadParameter(str(exc).removeprefix("eviction: ")) from None
+        if tiers in seen:
+            raise click.BadParameter(f"{item!r} is given twice" if item == seen[tiers] else
+                                     f"{item!r} is {seen[tiers]!r} again")
+        seen[tiers] = item
     return items
+
+
+def load_requests(trace: str, *, limit: int | None) -> list[Request]:
+    """`load_trace`, refusing a trace without requests (its report would be all zeros).
+
+    Raises:
+        ConfigError: as `load_trace`, or the trace has no requests (`no_requests`).
+    """
+    requests = load_trace(trace, limit=limit)
+    if not requests:
+        raise no_requests(trace)
+    return requests
+
+
+def no_requests(trace: str) -> ConfigError:
+    return ConfigError(f"{trace}: no requests in this trace")
 
 
 def l3_url(ctx: click.Context, param: click.Parameter, text: str) -> str:

@@ -7,19 +7,34 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
+import anyio
 import click
+from click.core import ParameterSource
 from tqdm import tqdm
 
-from ._cli_common import comma_list, evictions, l3_url, loop_option, run
+from ._cli_common import (
+    FiniteFloatRange,
+    comma_list,
+    evictions,
+    l3_url,
+    load_requests,
+    loop_option,
+    no_requests,
+    run,
+)
 from ._lagprobe import StallSampler
 from .config import KVSpec
-from .errors import ConfigError
-from .replay import Request, load_trace, stream_trace
-from .replay.report import format_result, format_sweep, plot_sweep, to_json
+from .errors import ConfigError, StorageError
+from .replay import Request, stream_trace
+from .replay.report import check_plot_path, format_result, format_sweep, plot_sweep, to_json
 from .replay.runner import MODELS, ReplayConfig, ReplayResult, parse_capacity, sweep_configs
 from .replay.runner import replay as run_replay
+from .storage import PageFormat, backend_from_url
 
 _POLICIES = ("write_through", "write_through_selective", "write_back")
+
+_L3_CHECK_SECONDS = 10.0
+"""How long `_check_l3` waits for the L3 to open (a host that drops packets never refuses)."""
 
 Trace = Callable[[], "Sequence[Request] | AsyncIterator[Request]"]
 """Gives the requests of one replay: the loaded list, or a fresh stream of the file."""
@@ -96,10 +111,10 @@ def _output_options() -> list[Callable[[Any], Any]]:
         click.option("--sweep", default=None, callback=comma_list,
                      help="Comma-separated L1 capacities: print the hit-ratio curve."),
         click.option("--plot", type=click.Path(dir_okay=False), default=None,
-                     help="With --sweep: write the curve as a PNG."),
+                     help="With --sweep: write the curve as an image (.png, .svg or .pdf)."),
         click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables."),
         click.option("--no-progress", is_flag=True, help="No progress bar."),
-        click.option("--stalls", type=click.FloatRange(min=0.1), default=None, metavar="MS",
+        click.option("--stalls", type=FiniteFloatRange(min=0.1), default=None, metavar="MS",
                      help="Also find where the loop stalls longer than MS milliseconds "
                           "(StallSampler): the most frequent stacks go to stderr."),
     ]
@@ -116,21 +131,97 @@ def replay(trace: str, limit: int | None, l3: str, eviction: list[str], time_mod
     "synthetic", a Mooncake-format .jsonl file, or a kv-cache-tester .jsonl.gz file.
     Several --eviction policies replay one after another and print side by side.
     """
+    _refuse_ignored_options(sweep=sweep, time_mode=time_mode, **spec_and_tiers)
     try:
         base = _base_config(l3=l3, eviction=eviction[0], time_mode=time_mode,
                             **spec_and_tiers)
         configs = sweep_configs(base, [base.device_tokens] if sweep is None else
-                                _sweep_tokens(sweep, base.spec.bytes_per_token), eviction)
+                                _sweep_tokens(sweep, base), eviction)
         requests = _trace(trace, limit, streamed=time_mode == "timestamps")
+        _check_outputs(plot, l3, loop)
         results = [_replay_one(c, requests, loop, total=limit, stalls=stalls,
                                progress=not (no_progress or as_json)) for c in configs]
+        if results[0].requests == 0:  # a streamed trace: known empty only once read
+            raise no_requests(trace)
     except ConfigError as exc:  # also a pool larger than the machine: device_pages from --l1
         raise click.UsageError(str(exc)) from exc
     _print_replay(results, trace, as_json=as_json, swept=sweep is not None or len(eviction) > 1)
     if plot is not None:
+        _write_plot(results, plot, trace, as_json=as_json)
+
+
+def _refuse_ignored_options(*, sweep: list[str] | None, time_mode: str,
+                            **spec_and_tiers: Any) -> None:
+    """An option given where it has no effect is a usage error: the user meant something
+    the replay would not do (``--dtype fp8`` on a preset model replays bf16)."""
+    ctx = click.get_current_context()
+    given = {name for name in ctx.params if ctx.get_parameter_source(name)
+             not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
+    explicit = any(spec_and_tiers[n] is not None for n in ("layers", "kv_heads", "head_dim"))
+    rules = [
+        ("plot", sweep is None, "draws the curve of a sweep: give --sweep too"),
+        ("speedup", time_mode != "timestamps", "paces --time timestamps only"),
+        ("dtype", not explicit, "goes with --layers, --kv-heads and --head-dim (a --model "
+                                "preset has its own)"),
+        ("model", explicit, "and --layers/--kv-heads/--head-dim both name the model: give "
+                            "one"),
+    ]
+    for name, ignored, why in rules:
+        if ignored and name in given:
+            raise click.UsageError(f"'--{name}' {why}")
+
+
+def _check_outputs(plot: str | None, l3: str, loop: str) -> None:
+    """What the replay writes to, checked before it starts: a plot it could not write, or
+    an L3 it could not open, would fail (or count every L3 access a miss) only after it ran.
+
+    Raises:
+        click.BadParameter: naming ``--plot`` or ``--l3``.
+    """
+    if plot is not None:
+        try:
+            check_plot_path(plot)
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc).removeprefix("plot: "),
+                                     param_hint="'--plot'") from None
+    if l3 not in ("tmp", "none"):
+        try:
+            run(_check_l3, l3, loop=loop)
+        except (ConfigError, StorageError) as exc:  # the message names the store, safely
+            raise click.BadParameter(str(exc).removeprefix("storage: "),
+                                     param_hint="'--l3'") from None
+        except TimeoutError:  # NOTE: not the URL: it may hold a password
+            raise click.BadParameter(f"no answer within {_L3_CHECK_SECONDS:g} s",
+                                     param_hint="'--l3'") from None
+
+
+async def _check_l3(url: str) -> None:
+    """Open the L3 `url` names, look up one key, close it: the replay's first lookup,
+    which would otherwise fail as a miss (logged) and leave the replay without an L3.
+
+    Cancellation: the backend is closed.
+    """
+    fmt = PageFormat.make(namespace="aiohicache replay --l3 check", spec_fingerprint="none",
+                          page_size=1, payload_bytes=1)
+    backend = backend_from_url(url, fmt)
+    try:
+        with anyio.fail_after(_L3_CHECK_SECONDS):
+            await backend.exists(["0" * 32])
+    finally:
+        with anyio.CancelScope(shield=True):
+            await backend.aclose()
+
+
+def _write_plot(results: list[ReplayResult], plot: str, trace: str, *, as_json: bool) -> None:
+    """`plot_sweep`; a write that fails anyway (`_check_outputs` passed: the disk filled, the
+    directory went) is one error line, with nothing left at `plot`."""
+    try:
         plot_sweep(results, plot, title=f"aiohicache replay: {os.path.basename(trace)}")
-        if not as_json:
-            click.echo(f"plot written to {plot}")
+    except OSError as exc:
+        raise click.ClickException(f"cannot write the plot to {plot}: {exc.strerror or exc}"
+                                   ) from None
+    if not as_json:
+        click.echo(f"plot written to {plot}")
 
 
 def _base_config(*, model: str, layers: int | None, kv_heads: int | None,
@@ -152,17 +243,28 @@ def _trace(trace: str, limit: int | None, *, streamed: bool) -> Trace:
     when it is reached; otherwise it is loaded (and checked) once, before any replay."""
     if streamed:
         return functools.partial(stream_trace, trace, limit=limit)
-    requests = load_trace(trace, limit=limit)
+    requests = load_requests(trace, limit=limit)
     return lambda: requests
 
 
-def _sweep_tokens(sweep: list[str], bytes_per_token: int) -> list[int]:
+def _sweep_tokens(sweep: list[str], base: ReplayConfig) -> list[int]:
+    """The L1 capacities of ``--sweep``, each a different number of pages (two replays of
+    one L1 size would print the same numbers twice)."""
     try:
-        return [parse_capacity(x, bytes_per_token=bytes_per_token, field_name="sweep")
-                for x in sweep]
+        tokens = [parse_capacity(x, bytes_per_token=base.spec.bytes_per_token,
+                                 field_name="sweep") for x in sweep]
     except ConfigError as exc:
         raise click.BadParameter(str(exc).removeprefix("sweep: "),
                                  param_hint="'--sweep'") from None
+    seen: dict[int, str] = {}
+    for text, n in zip(sweep, tokens, strict=True):
+        pages = n // base.page_size
+        if pages in seen:
+            raise click.BadParameter(f"{seen[pages]!r} and {text!r} are one L1 size ({pages:,} "
+                                     f"pages of {base.page_size} tokens)",
+                                     param_hint="'--sweep'")
+        seen[pages] = text
+    return tokens
 
 
 def _replay_spec(model: str, layers: int | None, kv_heads: int | None,

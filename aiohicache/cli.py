@@ -12,20 +12,28 @@ import dataclasses
 import functools
 import json
 import tempfile
-from typing import cast
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 import click
 import torch
 
 from . import __version__
-from ._cli_common import int_list, loop_factory, loop_option, run, serve_tier_options
+from ._cli_common import (
+    int_list,
+    load_requests,
+    loop_factory,
+    loop_option,
+    run,
+    serve_tier_options,
+)
 from ._cli_demo import demo
 from ._cli_replay import replay
 from .bench import FULL, QUICK, run_core
 from .bench.tree import bench_tree, format_tree
 from .errors import ConfigError
+from .memory._pools import _ID_BYTES, _physical_memory
 from .radix._policy import PolicyName
-from .replay import load_trace
 from .replay.runner import parse_capacity
 
 __all__ = ("cli", "loop_factory", "loop_option", "main")
@@ -81,8 +89,13 @@ def bench_storage_cmd(quick: bool, in_flight: int) -> None:
 @click.option("--quick", is_flag=True, help="Small sizes: seconds, for smoke tests.")
 def bench_redis_cmd(quick: bool) -> None:
     """Redis L3 vs a raw redis-py pipeline of the same payloads (starts its own server)."""
+    from ._redis_server import RedisServerError
     from .bench.redis import run_redis_bench
-    click.echo(run_redis_bench(quick))
+    try:
+        report = run_redis_bench(quick)
+    except RedisServerError as exc:  # redis-server missing, or it did not start
+        raise click.ClickException(str(exc)) from exc
+    click.echo(report)
 
 
 @bench.command("tp")
@@ -129,7 +142,8 @@ def bench_transfer_cmd(pages: list[int], ctas: list[int], total_mb: int, repeat:
 @click.option("--max-tokens", type=click.IntRange(1, 4096), default=4, show_default=True,
               help="Tokens generated per request.")
 @click.option("--block-tokens", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Token ids per trace block (scales the trace's prompts down).")
+              help="Token ids per trace block (scales the trace's prompts down; at most "
+                   "the trace's block size).")
 @serve_tier_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench_serve_cmd(trace: str, num_requests: int, concurrency: int, max_tokens: int,
@@ -143,9 +157,13 @@ def bench_serve_cmd(trace: str, num_requests: int, concurrency: int, max_tokens:
     from .bench.serve import ServeBenchConfig, bench_modes, format_serve, sessions_from_trace
 
     try:
-        requests = load_trace(trace, limit=num_requests)
+        requests = load_requests(trace, limit=num_requests)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
+    if block_tokens > (smallest := min(r.block_size for r in requests)):
+        # it scales prompts down: past the trace's blocks they would only grow (to TiB)
+        raise click.BadParameter(f"{block_tokens} is more than the trace's blocks of "
+                                 f"{smallest} tokens", param_hint="'--block-tokens'")
     sessions = sessions_from_trace(requests, block_tokens=block_tokens, vocab_size=32000)
     prompts = [len(p) for s in sessions for p in s]
     title = (f"aiohicache bench serve: {trace}, {len(prompts)} requests in {len(sessions)} "
@@ -169,12 +187,29 @@ def bench_tree_cmd(trace: str, limit: int | None, capacity: str, page_size: int,
                    eviction: str) -> None:
     """Radix-tree bookkeeping per request on a trace (no transfers)."""
     try:
-        tokens = parse_capacity(capacity, bytes_per_token=1, field_name="capacity")
-        requests = load_trace(trace, limit=limit)
+        tokens = _tree_capacity(capacity, page_size)
+        requests = load_requests(trace, limit=limit)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     click.echo(format_tree(bench_tree(requests, capacity_tokens=tokens, page_size=page_size,
                                       eviction=cast(PolicyName, eviction))))
+
+
+def _tree_capacity(capacity: str, page_size: int) -> int:
+    """``bench tree --capacity`` in tokens: at least one page, and page ids (`PageAllocator`'s)
+    that fit this machine's memory, not numpy's error once allocating.
+
+    Raises:
+        ConfigError: ``capacity: ...``.
+    """
+    tokens = parse_capacity(capacity, bytes_per_token=1, field_name="capacity")
+    if tokens < page_size:
+        raise ConfigError(f"capacity: {tokens:,} is less than one page ({page_size} tokens)")
+    pages, ram = tokens // page_size, _physical_memory()
+    if ram is not None and pages * _ID_BYTES > ram:
+        raise ConfigError(f"capacity: {pages:,} pages need {pages * _ID_BYTES:,} bytes of page "
+                          f"ids; this machine has {ram:,} bytes")
+    return tokens
 
 
 @cli.command()
@@ -196,16 +231,19 @@ def bench_tree_cmd(trace: str, limit: int | None, capacity: str, page_size: int,
               help="torch's intra-op threads (the CPU copy engine sets 1 process-wide anyway).")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Weights of the tiny random model.")
+@click.option("--shutdown-timeout", type=click.FloatRange(0, 3600), default=5.0,
+              show_default=True, help="Seconds requests in flight get to finish on Ctrl-C "
+                                      "or SIGTERM before they are cancelled.")
 @loop_option
 def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int, l2: int,
           l3: str, no_cache: bool, compute_threads: int, max_running: int,
-          torch_threads: int, seed: int, loop: str) -> None:
+          torch_threads: int, seed: int, shutdown_timeout: float, loop: str) -> None:
     """OpenAI-compatible completions server: an HF model generating through the cache.
 
     POST /v1/completions (streaming and not), GET /metrics (Prometheus), /health, /v1/models.
     Needs the serve extra: pip install 'aiohicache[serve]'.
     """
-    from .serve import Engine, EngineConfig, load_model
+    from .serve import EngineConfig
     from .serve import serve as run_server
 
     with tempfile.TemporaryDirectory(prefix="aiohicache-l3-") as tmp:
@@ -214,18 +252,50 @@ def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int,
                               storage=storage, use_cache=not no_cache,
                               compute_threads=compute_threads, max_running=max_running,
                               torch_threads=torch_threads)
-        try:
-            model, tokenizer, name = load_model(model_path, seed=seed)
-            engine = Engine(model, tokenizer, config, name=name)
-        except ConfigError as exc:
-            raise click.UsageError(str(exc)) from exc
+        engine, name = _serve_engine(model_path, seed, config)
 
         def ready(url: str) -> None:
             mode = "no cache (recompute)" if no_cache else f"cache L1={l1} L2={l2} tokens, L3={l3}"
             click.echo(f"aiohicache serve: {name} on {url} ({mode})")  # echo flushes
 
-        with contextlib.suppress(KeyboardInterrupt):
-            run(functools.partial(run_server, engine, host, port, on_ready=ready), loop=loop)
+        _serve_until_stopped(functools.partial(run_server, engine, host, port, on_ready=ready,
+                                               shutdown_timeout=shutdown_timeout), loop)
+
+
+def _serve_engine(model_path: str | None, seed: int, config: Any) -> tuple[Any, str]:
+    """The model loaded and its engine (not opened), and the model's name."""
+    from .serve import Engine, load_model
+
+    try:
+        model, tokenizer, name = load_model(model_path, seed=seed)
+        return Engine(model, tokenizer, config, name=name), name
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+def _serve_until_stopped(serving: Callable[[], Awaitable[None]], loop: str) -> None:
+    """Run `serving` until Ctrl-C or SIGTERM; a host or port it cannot listen on is one line.
+
+    SIGTERM (a supervisor, `bench serve`) stops it as Ctrl-C does: requests drain, the
+    cache closes and the `--l3 tmp` directory is removed (killed, it stayed).
+    """
+    import asyncio
+    import signal
+
+    import anyio
+
+    from .serve import ListenError
+
+    async def until_stopped() -> None:
+        with anyio.CancelScope() as scope:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, scope.cancel)
+            await serving()
+
+    try:
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: drained, cache closed
+            run(until_stopped, loop=loop)
+    except ListenError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 cli.add_command(demo)

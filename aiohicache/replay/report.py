@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from collections.abc import Sequence
+import os
+import secrets
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import IO, Any
 
 from ..errors import ConfigError
 from .runner import ReplayResult
 
-__all__ = ("format_policies", "format_result", "format_sweep", "plot_sweep", "result_to_dict",
-           "to_json")
+__all__ = ("PLOT_FORMATS", "check_plot_path", "format_policies", "format_result", "format_sweep",
+           "plot_sweep", "result_to_dict", "to_json")
 
 
 def _tokens(n: int) -> str:
@@ -140,22 +144,86 @@ def _closed(by: dict[tuple[str, int], float], policy: str, n: int) -> str:
     return f"{100 * (hit - lru) / (opt - lru):.1f} %" if opt - lru > 1e-9 else "-"
 
 
+PLOT_FORMATS = ("png", "svg", "pdf")
+"""Image formats `plot_sweep` writes: those matplotlib writes with no other program."""
+
+
+def check_plot_path(path: str | Path) -> None:
+    """Check, before a sweep runs, that `plot_sweep` can write `path`: matplotlib is there,
+    the suffix is a format of `PLOT_FORMATS`, and a file can be made in its directory (made
+    and removed: the only test that holds for root and for odd file systems alike).
+
+    Raises:
+        ConfigError: ``plot: ...`` saying which.
+    """
+    _pyplot()
+    suffix = Path(path).suffix.lower().removeprefix(".")
+    if suffix not in PLOT_FORMATS:
+        raise ConfigError(f"plot: {os.fspath(path)!r} is not a .png, .svg or .pdf file")
+    try:
+        with _scratch(Path(path)):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"plot: cannot write {os.fspath(path)!r}: {exc.strerror}") from None
+
+
 def plot_sweep(results: Sequence[ReplayResult], path: str | Path, *, title: str = "") -> None:
-    """Write the hit-ratio curve as a PNG (needs matplotlib: ``pip install aiohicache[plot]``).
+    """Write the hit-ratio curve as an image (needs matplotlib: ``pip install
+    aiohicache[plot]``), in the format the suffix names (PNG without one). The file is
+    written whole or not at all: a failed write leaves what was at `path` before, and no
+    scrap next to it.
 
     Raises:
         ConfigError: matplotlib is not installed.
+        OSError: the file could not be written.
     """
+    plt = _pyplot()
+    fig = _draw(plt, results, title)
+    target = Path(path)
+    try:
+        with _scratch(target) as f:
+            fig.savefig(f, dpi=120, format=target.suffix.lower().removeprefix(".") or "png")
+            f.close()
+            os.replace(f.name, target)
+    finally:
+        plt.close(fig)
+
+
+@contextlib.contextmanager
+def _scratch(target: Path) -> Iterator[IO[bytes]]:
+    """A new file next to `target`, removed unless the block moved it away (``os.replace``).
+
+    NOTE: opened with ``open(..., "xb")``, not ``mkstemp``: the file gets the mode the
+    umask gives, as a file written in place would, and not mkstemp's 0600.
+    """
+    name = target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
+    f = open(name, "xb")  # noqa: SIM115 -- closed below, or by the caller before a replace
+    try:
+        yield f
+    finally:
+        f.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+
+
+def _pyplot() -> Any:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ConfigError("plot: needs matplotlib (pip install 'aiohicache[plot]')") from exc
+    return plt
+
+
+def _draw(plt: Any, results: Sequence[ReplayResult], title: str) -> Any:
+    """The figure: one curve per policy, in order of L1 capacity (a sweep may list its
+    capacities in any order; drawn as given, the line would double back)."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     policies = _policies(results)
     for policy in policies:
-        mine = [r for r in results if r.eviction == policy]
+        mine = sorted((r for r in results if r.eviction == policy),
+                      key=lambda r: r.device_tokens)
         xs = [r.device_tokens for r in mine]
         label = f"{policy}: " if len(policies) > 1 else ""
         line, = ax.plot(xs, [r.hit_ratio for r in mine], marker="o",
@@ -173,5 +241,4 @@ def plot_sweep(results: Sequence[ReplayResult], path: str | Path, *, title: str 
     ax.legend()
     ax.set_title(title or "aiohicache replay: hit ratio vs L1 capacity")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig

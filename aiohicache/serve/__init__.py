@@ -8,7 +8,7 @@
 Needs the ``serve`` extra (aiohttp, transformers).
 """
 
-from .app import build_app, running_server, serve
+from .app import ListenError, build_app, running_server, serve
 from .engine import (
     ByteTokenizer,
     Engine,
@@ -20,5 +20,5 @@ from .engine import (
 )
 from .model import load_model
 
-__all__ = ("ByteTokenizer", "Engine", "EngineConfig", "Metrics", "SamplingParams", "Usage",
-           "build_app", "cache_config", "load_model", "running_server", "serve")
+__all__ = ("ByteTokenizer", "Engine", "EngineConfig", "ListenError", "Metrics", "SamplingParams",
+           "Usage", "build_app", "cache_config", "load_model", "running_server", "serve")

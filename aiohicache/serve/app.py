@@ -3,15 +3,19 @@
 
 Each request is its own task; its cache work (match, prefetch, load-back, commit) is awaited
 in its handler. A client that disconnects cancels its handler (``handler_cancellation``):
-the forward pass in flight finishes, the cache context exits, nothing leaks.
+the forward pass in flight finishes, the cache context exits, nothing leaks. A server that
+stops drains its handlers the same way before the engine may close.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -19,58 +23,169 @@ import anyio
 from aiohttp import web
 
 from .. import ConfigError, HiCacheError
+from .._concurrency import finish_then_cancel
 from .._validate import check_int, check_number
 from .engine import Engine, SamplingParams, Usage
 
-__all__ = ("build_app", "running_server", "serve")
+__all__ = ("ListenError", "build_app", "running_server", "serve")
 
-ENGINE = web.AppKey("engine", Engine)
 _MAX_TOKENS_LIMIT = 4096
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ListenError(OSError):
+    """The server cannot listen where it was asked to (port in use, unknown host, no
+    permission); the message names the address and the reason."""
 
 
 class _BadRequest(Exception):
     """A request the server refuses (400), with the message the client sees."""
 
 
+class _InFlight:
+    """The tasks of the requests that reach the engine, so a stopping server can drain them.
+
+    Once `closed`, requests are answered 503 before they touch the engine, so the set only
+    shrinks while the server waits for it.
+    """
+
+    def __init__(self) -> None:
+        self.closed = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        if self.closed:
+            return _error(503, "the server is shutting down", "server_error")
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            return await handler(request)
+        finally:
+            self._tasks.discard(task)
+
+    async def wait(self) -> None:
+        """Until every tracked request has ended."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+
+ENGINE = web.AppKey("engine", Engine)
+_IN_FLIGHT = web.AppKey("in_flight", _InFlight)
+
+
 def build_app(engine: Engine) -> web.Application:
     """The aiohttp application serving `engine` (open it before serving)."""
-    app = web.Application()
+    in_flight = _InFlight()
+    app = web.Application(middlewares=[in_flight.middleware])
     app[ENGINE] = engine
+    app[_IN_FLIGHT] = in_flight
     app.add_routes([web.post("/v1/completions", completions), web.get("/metrics", metrics),
                     web.get("/health", health), web.get("/v1/models", models)])
     return app
 
 
 @asynccontextmanager
-async def running_server(engine: Engine, host: str = "127.0.0.1",
-                         port: int = 0) -> AsyncIterator[str]:
+async def running_server(engine: Engine, host: str = "127.0.0.1", port: int = 0, *,
+                         shutdown_timeout: float = 5.0) -> AsyncIterator[str]:
     """Serve `engine` on ``host:port`` (0: a free port) while the block runs; yields the base
-    URL, e.g. ``http://127.0.0.1:43121``."""
-    runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None)
+    URL, e.g. ``http://127.0.0.1:43121``.
+
+    Leaving the block stops the server: it stops accepting, gives the requests in flight
+    `shutdown_timeout` seconds to finish, cancels the rest (each finishes its forward pass in
+    flight and exits its cache context) and waits for them, so `engine` may close after.
+
+    Raises:
+        ConfigError: `shutdown_timeout` is negative or not finite.
+        ListenError: the server cannot listen on ``host:port``.
+
+    Cancellation: the stop above runs to the end all the same, then the cancellation
+    propagates.
+    """
+    grace = check_number("shutdown_timeout", shutdown_timeout, low=0)
+    app = build_app(engine)
+    # NOTE: aiohttp's own wait (for connections still open once the handlers are done)
+    # reads 0 as no limit.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=max(grace, 0.1))
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound = runner.addresses[0]
-        yield f"http://{_host_for_url(bound[0])}:{bound[1]}"
+        yield await _listen(runner, host, port)
     finally:
-        await runner.cleanup()
+        # NOTE: through `finish_then_cancel`: the stop runs to the end whatever cancels this
+        # task, and in a task of its own, which aiohttp's shutdown needs: run by a task being
+        # cancelled (as this one usually is), it re-raises its timeout where it would go on
+        # to cancel the handlers and close the connections.
+        await finish_then_cancel(_stop(runner, app[_IN_FLIGHT], grace))
 
 
-async def serve(engine: Engine, host: str, port: int, *, on_ready: Any = None) -> None:
+async def serve(engine: Engine, host: str, port: int, *, on_ready: Any = None,
+                shutdown_timeout: float = 5.0) -> None:
     """Open `engine` and serve it until cancelled; ``on_ready(url)`` once listening.
 
-    Cancellation: how it ends: the server stops accepting, in-flight handlers are cancelled
-    (their cache contexts exit), the engine and its cache close.
+    Raises:
+        ConfigError: `shutdown_timeout` is negative or not finite.
+        ListenError: the server cannot listen on ``host:port``.
+
+    Cancellation: how it ends: the server stops accepting, requests in flight get
+    `shutdown_timeout` seconds to finish, the rest are cancelled and unwind (their cache
+    contexts exit), then the engine and its cache close.
     """
-    async with engine, running_server(engine, host, port) as url:
+    check_number("shutdown_timeout", shutdown_timeout, low=0)  # before the cache opens
+    async with engine, running_server(engine, host, port,
+                                      shutdown_timeout=shutdown_timeout) as url:
         if on_ready is not None:
             on_ready(url)
         await anyio.sleep_forever()
 
 
+async def _listen(runner: web.AppRunner, host: str, port: int) -> str:
+    """Start listening; the base URL."""
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        where = f"{_host_for_url(host)}:{port}"
+        raise ListenError(f"cannot listen on {where}: {_reason(exc)}") from exc
+    bound = runner.addresses[0]
+    return f"http://{_host_for_url(bound[0])}:{bound[1]}"
+
+
+async def _stop(runner: web.AppRunner, in_flight: _InFlight, grace: float) -> None:
+    """Stop accepting, give the requests in flight `grace` seconds, cancel the rest and wait
+    for them to unwind, then close the connections (nothing they wait for touches the
+    engine any more).
+
+    It takes `grace` at most, plus the time a cancelled handler takes to unwind (the forward
+    pass it has in flight), plus aiohttp's close.
+
+    Cancellation: not meant to be cancelled (the engine must not close under a handler):
+    `running_server` runs it through `finish_then_cancel`.
+    """
+    for site in list(runner.sites):
+        await site.stop()
+    in_flight.closed = True
+    with anyio.move_on_after(grace):
+        await in_flight.wait()
+    in_flight.cancel()
+    await in_flight.wait()
+    await runner.cleanup()
+
+
 def _host_for_url(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+def _reason(exc: OSError) -> str:
+    # asyncio words a failed bind "error while attempting to bind on address (...): ...";
+    # its errno says the same plainly. A resolver error's errno is not an OS errno.
+    if exc.errno and not isinstance(exc, socket.gaierror):
+        return os.strerror(exc.errno)
+    return exc.strerror or str(exc)
 
 
 # ---------------------------------------------------------------------------- handlers

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -200,9 +200,16 @@ class Engine:
         await self.aclose()
 
     async def aclose(self) -> None:
-        if self.cache is not None:
-            await self.cache.aclose()
-        self._executor.shutdown(wait=False)
+        """Close the cache, then stop the compute thread (no request may be generating).
+
+        Cancellation: the cache's close runs to the end first, the thread is stopped all the
+        same, then the cancellation propagates.
+        """
+        try:
+            if self.cache is not None:
+                await self.cache.aclose()
+        finally:
+            self._executor.shutdown(wait=False)
 
     @property
     def health(self) -> str:
@@ -221,23 +228,28 @@ class Engine:
         self._check(prompt, params)
         start = time.perf_counter()
         self.metrics.requests += 1
-        async with self._admission:
-            async for token in self._admitted(prompt, params, usage, start):
+        # NOTE: every generator nested here is closed by `aclosing`: `async for` does not close
+        # the one it iterates, so closing this one between tokens would leave the inner ones
+        # (and the cache context) to the loop's finalizer, in a task nobody awaits.
+        tokens = self._admitted(prompt, params, usage, start)
+        async with self._admission, contextlib.aclosing(tokens):
+            async for token in tokens:
                 yield token
 
     async def _admitted(self, prompt: list[int], params: SamplingParams, usage: Usage,
-                        start: float) -> AsyncIterator[int]:
+                        start: float) -> AsyncGenerator[int, None]:
         self.metrics.running += 1
+        steps = self._cached(prompt, params, usage) if self._adapter is not None \
+            else self._uncached(prompt, params, usage)
         try:
-            steps = self._cached(prompt, params, usage) if self._adapter is not None \
-                else self._uncached(prompt, params, usage)
-            async for token in steps:
-                if usage.completion_tokens == 0:
-                    usage.ttft = time.perf_counter() - start
-                    self.metrics.observe(usage)
-                usage.completion_tokens += 1
-                self.metrics.generated_tokens += 1
-                yield token
+            async with contextlib.aclosing(steps):
+                async for token in steps:
+                    if usage.completion_tokens == 0:
+                        usage.ttft = time.perf_counter() - start
+                        self.metrics.observe(usage)
+                    usage.completion_tokens += 1
+                    self.metrics.generated_tokens += 1
+                    yield token
         finally:
             self.metrics.running -= 1
 
@@ -252,7 +264,7 @@ class Engine:
             raise ConfigError(f"prompt: token ids must be in 0..{vocab - 1}")
 
     async def _cached(self, prompt: list[int], params: SamplingParams,
-                      usage: Usage) -> AsyncIterator[int]:
+                      usage: Usage) -> AsyncGenerator[int, None]:
         """Generate over the cache; a prompt the device pool has no room for right now (too
         long, or the pool pinned by other requests) is computed without it instead."""
         adapter, cache = self._adapter, self.cache
@@ -270,25 +282,30 @@ class Engine:
                                "L3": hit.num_storage_hit_tokens}
                 usage.cached_tokens = out.num_reused_tokens
                 fed = list(prompt)
-                async for token in self._decode(out.logits[0, -1], out.past_key_values,
-                                                params, fed):
-                    yield token
+                tokens = self._decode(out.logits[0, -1], out.past_key_values, params, fed)
+                async with contextlib.aclosing(tokens):
+                    async for token in tokens:
+                        yield token
                 if self.config.commit_output:
                     with contextlib.suppress(CapacityError):  # the output is not cached
                         await adapter.commit_decoded(hit, out, fed)
                 return
-        async for token in self._uncached(prompt, params, usage):
-            yield token
+        tokens = self._uncached(prompt, params, usage)
+        async with contextlib.aclosing(tokens):
+            async for token in tokens:
+                yield token
 
     async def _uncached(self, prompt: list[int], params: SamplingParams,
                         usage: Usage) -> AsyncGenerator[int, None]:
         past = DynamicCache(config=self.model.config)
         logits = await self._run(prompt, past)
-        async for token in self._decode(logits, past, params, list(prompt)):
-            yield token
+        tokens = self._decode(logits, past, params, list(prompt))
+        async with contextlib.aclosing(tokens):
+            async for token in tokens:
+                yield token
 
     async def _decode(self, logits: torch.Tensor, past: DynamicCache, params: SamplingParams,
-                      fed: list[int]) -> AsyncIterator[int]:
+                      fed: list[int]) -> AsyncGenerator[int, None]:
         """Sample from `logits`, then decode on `past`; `fed` grows by each token fed back."""
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         for step in range(params.max_tokens):

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
+import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +25,23 @@ pytest.importorskip("transformers")
 pytest.importorskip("aiohttp")
 
 import aiohttp
+import anyio
+from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
+from aiohicache.cli import cli
 from aiohicache.controller import page_format
 from aiohicache.hf import tiny_llama
 from aiohicache.serve import (
     ByteTokenizer,
     Engine,
     EngineConfig,
+    SamplingParams,
+    Usage,
     cache_config,
     load_model,
     running_server,
+    serve,
 )
 from aiohicache.storage import FaultyBackend, backend_from_url
 
@@ -230,3 +243,216 @@ async def test_a_prompt_longer_than_the_device_pool_is_computed_without_it() -> 
             got = await post(session, url, prompt=short, max_tokens=1, temperature=0)
             assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
         assert eng.cache is not None and eng.cache.stats().device_pages_leased == 0
+
+
+# ---------------------------------------------------------------------------- shutdown
+
+
+class SlowEngine(Engine):
+    """The test engine with `delay` seconds added to every forward pass (a stream of 4096
+    tokens outlasts any test); it records what was still in use when it closed."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(tiny_llama(seed=5, **MODEL), ByteTokenizer(),
+                         EngineConfig(page_size=16, device_tokens=2048, host_tokens=8192))
+        self.model.register_forward_pre_hook(lambda *_: time.sleep(delay))
+        self.in_use_at_close: tuple[int, int] | None = None
+        """(requests generating, device pages leased) as the cache closed."""
+
+    async def aclose(self) -> None:
+        assert self.cache is not None
+        self.in_use_at_close = (self.metrics.running, self.cache.stats().device_pages_leased)
+        await super().aclose()
+
+
+class Served:
+    """`serve()` in a task of its own, under a cancel scope the test cancels (as a task
+    group's cancel or ``move_on_after`` would)."""
+
+    def __init__(self) -> None:
+        self.scope = anyio.CancelScope()
+        self.url = ""
+        self.listening = anyio.Event()
+        self.stopped = anyio.Event()
+
+    async def run(self, eng: Engine, **kwargs: Any) -> None:
+        with self.scope:
+            await serve(eng, "127.0.0.1", 0, on_ready=self._ready, **kwargs)
+        self.stopped.set()
+
+    def _ready(self, url: str) -> None:
+        self.url = url
+        self.listening.set()
+
+
+async def test_a_cancelled_serve_unwinds_its_requests_before_the_cache_closes(
+        caplog: pytest.LogCaptureFixture) -> None:
+    eng, server = SlowEngine(0.01), Served()
+    async with anyio.create_task_group() as tg, aiohttp.ClientSession() as session:
+        tg.start_soon(functools.partial(server.run, eng, shutdown_timeout=0))  # cancel at once
+        await server.listening.wait()
+        stream = events(session, server.url, prompt=prompt_of(40, 12), max_tokens=4096,
+                        temperature=0)
+        assert isinstance(await anext(stream), dict)  # the handler is mid-stream
+        server.scope.cancel()
+        await server.stopped.wait()
+        await stream.aclose()
+    assert eng.in_use_at_close == (0, 0)  # no handler generating, no page leased
+    assert eng.cache is not None and eng.cache.stats().device_pages_leased == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+async def test_shutdown_lets_requests_finish_for_the_timeout_then_cancels_the_rest() -> None:
+    eng, server, grace = SlowEngine(0.01), Served(), 1.0
+    async with anyio.create_task_group() as tg, aiohttp.ClientSession() as session:
+        tg.start_soon(functools.partial(server.run, eng, shutdown_timeout=grace))
+        await server.listening.wait()
+        short = events(session, server.url, prompt=prompt_of(20, 13), max_tokens=8,
+                       temperature=0)
+        endless = events(session, server.url, prompt=prompt_of(20, 14), max_tokens=4096,
+                         temperature=0)
+        assert isinstance(await anext(short), dict) and isinstance(await anext(endless), dict)
+        start = time.perf_counter()
+        server.scope.cancel()
+        rest = [e async for e in short]  # finishes within the grace period
+        await server.stopped.wait()
+        took = time.perf_counter() - start
+        await endless.aclose()
+    assert len(rest) == 8 and rest[-1] == "[DONE]"
+    assert grace <= took < grace + 3  # the endless stream was cancelled once the grace ran out
+    assert eng.in_use_at_close == (0, 0)
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
+async def test_closing_a_generation_between_tokens_releases_everything_at_once(
+        use_cache: bool) -> None:
+    async with engine(use_cache=use_cache) as eng:
+        gen = eng.generate(prompt_of(40, 15), SamplingParams(max_tokens=50), Usage(40))
+        await anext(gen)
+        await anext(gen)
+        await gen.aclose()  # as a handler's aclosing() does when its client goes away
+        assert eng.metrics.running == 0
+        assert eng.cache is None or eng.cache.stats().device_pages_leased == 0
+
+
+class ClosingSignalled(Engine):
+    """The test engine; `closing` is set as it starts to close."""
+
+    def __init__(self) -> None:
+        super().__init__(tiny_llama(seed=5, **MODEL), ByteTokenizer(),
+                         EngineConfig(page_size=16, device_tokens=2048, host_tokens=8192))
+        self.closing = asyncio.Event()
+
+    async def aclose(self) -> None:
+        self.closing.set()
+        await super().aclose()
+
+
+async def test_an_engine_cancelled_while_it_closes_still_stops_its_compute_thread() -> None:
+    eng, generated, before = ClosingSignalled(), asyncio.Event(), set(threading.enumerate())
+
+    async def hold() -> None:
+        async with eng:
+            async with aclosing(eng.generate(prompt_of(20, 16), SamplingParams(max_tokens=1),
+                                             Usage(20))) as gen:
+                assert len([t async for t in gen]) == 1  # the compute thread has started
+            generated.set()
+            await anyio.sleep_forever()
+
+    task = asyncio.create_task(hold())
+    await generated.wait()
+    threads = [t for t in set(threading.enumerate()) - before
+               if t.name.startswith("aiohicache-compute")]
+    task.cancel()
+    await eng.closing.wait()
+    task.cancel()  # a second cancellation (a supervisor, a timeout) while the cache closes
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for thread in threads:
+        thread.join(5)
+    assert threads and not any(t.is_alive() for t in threads)
+
+
+def test_ctrl_c_on_the_serve_command_returns_within_the_shutdown_timeout() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aiohicache", "serve", "--port", "0", "--l1", "4096",
+         "--shutdown-timeout", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "aiohicache serve: tiny-llama on http://127.0.0.1:" in line, line
+        url = line.split(" on ")[1].split()[0]
+
+        async def interrupt_mid_stream() -> float:
+            async with aiohttp.ClientSession() as session:
+                stream = events(session, url, prompt="a stream that outlasts the test",
+                                max_tokens=4096)  # ~4 ms a token: 16 s and more
+                assert isinstance(await anext(stream), dict)
+                start = time.perf_counter()
+                proc.send_signal(signal.SIGINT)
+                with contextlib.suppress(aiohttp.ClientPayloadError):  # cut mid-stream
+                    async for _ in stream:
+                        pass
+                return time.perf_counter() - start
+
+        took = asyncio.run(interrupt_mid_stream())
+        assert took < 0.5 + 5, took  # not when the stream is done
+        proc.wait(30)
+        output = proc.stdout.read()
+        assert proc.returncode == 0 and "Traceback" not in output, output
+    finally:
+        proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_sigterm_stops_the_serve_command_as_ctrl_c_does(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aiohicache", "serve", "--port", "0", "--l1", "4096",
+         "--l3", "tmp"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path)})
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "aiohicache serve: tiny-llama on" in line, line
+        assert [p.name[:14] for p in tmp_path.iterdir()] == ["aiohicache-l3-"]
+        proc.terminate()
+        proc.wait(30)
+        output = proc.stdout.read()
+        assert proc.returncode == 0 and "Traceback" not in output, output
+        assert list(tmp_path.iterdir()) == []  # the temporary L3 store is gone
+    finally:
+        proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_the_serve_command_refuses_a_negative_shutdown_timeout() -> None:
+    result = CliRunner().invoke(cli, ["serve", "--shutdown-timeout", "-1"])
+    assert result.exit_code == 2
+    assert "Invalid value for '--shutdown-timeout': -1.0 is not in the range" in result.output
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("where, reason", [
+    ("busy", "Address already in use"),
+    ("no-such-host.invalid", "Name or service not known"),
+], ids=["busy-port", "unknown-host"])
+def test_the_serve_command_says_in_one_line_why_it_cannot_listen(
+        where: str, reason: str, busy_port: int) -> None:
+    host, port = ("127.0.0.1", busy_port) if where == "busy" else (where, 8000)
+    result = CliRunner().invoke(cli, ["serve", "--host", host, "--port", str(port),
+                                      "--l1", "256", "--l2", "0"])
+    assert result.exit_code == 1, result.exception
+    assert result.output == f"Error: cannot listen on {host}:{port}: {reason}\n"
