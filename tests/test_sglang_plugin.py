@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import struct
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,50 +175,50 @@ def test_exists_counts_the_leading_pages_present(tmp_path: Path) -> None:
         backend.close()
 
 
-def test_per_key_get_and_set(tmp_path: Path) -> None:
+@pytest.fixture
+def small(tmp_path: Path) -> Iterator[AiohicacheStorage]:
+    """A file-store backend over a two-page host pool; closed after the test."""
     backend = make_backend(f"file://{tmp_path}")
     backend.register_mem_pool_host(MHAHostPool(2))
-    page = torch.randn(2 * LAYERS * PAGE * HEADS * DIM).to(torch.bfloat16)
-    try:
-        assert backend.set("ab" * 32, page) and backend.batch_set(["cd" * 32], [page * 2])
-        target = torch.empty_like(page)
-        assert backend.get("ab" * 32, target) is target and torch.equal(target, page)
-        fresh = backend.get("cd" * 32)
-        assert fresh is not None and torch.equal(fresh, page * 2)
-        assert backend.get("ef" * 32) is None
-        assert backend.batch_get(["ab" * 32, "ef" * 32]) [1] is None
-        backend.clear()
-        assert backend.batch_exists(["ab" * 32, "cd" * 32]) == 0
-    finally:
-        backend.close()
+    yield backend
+    backend.close()
 
 
-def test_a_value_not_one_page_long_is_refused_and_nothing_is_stored(tmp_path: Path) -> None:
-    backend = make_backend(f"file://{tmp_path}")
-    backend.register_mem_pool_host(MHAHostPool(2))
-    page = torch.randn(2 * LAYERS * PAGE * HEADS * DIM).to(torch.bfloat16)
-    try:
-        for bad in (torch.tensor([7], dtype=torch.uint8),  # would broadcast over the page
-                    page[:-1], page.float()):
-            with pytest.raises(ConfigError, match=r"^values\[1\]: .* bytes"):
-                backend.batch_set(["ab" * 32, "cd" * 32], [page, bad])
-        assert backend.batch_exists(["ab" * 32]) == 0 and backend.get("cd" * 32) is None
-    finally:
-        backend.close()
+def a_page() -> torch.Tensor:
+    """One flat page of random KV, as the host pool holds it."""
+    return torch.randn(2 * LAYERS * PAGE * HEADS * DIM).to(torch.bfloat16)
 
 
-def test_a_target_not_one_page_long_is_refused_before_reading(tmp_path: Path) -> None:
+def test_per_key_get_and_set(small: AiohicacheStorage) -> None:
+    backend, page = small, a_page()
+    assert backend.set("ab" * 32, page) and backend.batch_set(["cd" * 32], [page * 2])
+    target = torch.empty_like(page)
+    assert backend.get("ab" * 32, target) is target and torch.equal(target, page)
+    fresh = backend.get("cd" * 32)
+    assert fresh is not None and torch.equal(fresh, page * 2)
+    assert backend.get("ef" * 32) is None
+    assert backend.batch_get(["ab" * 32, "ef" * 32]) [1] is None
+    backend.clear()
+    assert backend.batch_exists(["ab" * 32, "cd" * 32]) == 0
+
+
+def test_a_value_not_one_page_long_is_refused_and_nothing_is_stored(
+        small: AiohicacheStorage) -> None:
+    backend, page = small, a_page()
+    for bad in (torch.tensor([7], dtype=torch.uint8),  # would broadcast over the page
+                page[:-1], page.float()):
+        with pytest.raises(ConfigError, match=r"^values\[1\]: .* bytes"):
+            backend.batch_set(["ab" * 32, "cd" * 32], [page, bad])
+    assert backend.batch_exists(["ab" * 32]) == 0 and backend.get("cd" * 32) is None
+
+
+def test_a_target_not_one_page_long_is_refused_before_reading(small: AiohicacheStorage) -> None:
     """A wrong-size target got torch's RuntimeError, after the read."""
-    backend = make_backend(f"file://{tmp_path}")
-    backend.register_mem_pool_host(MHAHostPool(2))
-    page = torch.randn(2 * LAYERS * PAGE * HEADS * DIM).to(torch.bfloat16)
-    try:
-        assert backend.set("ab" * 32, page)
-        for bad in (page[:-1].clone(), page.float(), page.half()):
-            with pytest.raises(ConfigError, match=r"^target_locations\[0\]: .* bytes"):
-                backend.batch_get(["ab" * 32], [bad])
-    finally:
-        backend.close()
+    backend, page = small, a_page()
+    assert backend.set("ab" * 32, page)
+    for bad in (page[:-1].clone(), page.float(), page.half()):
+        with pytest.raises(ConfigError, match=r"^target_locations\[0\]: .* bytes"):
+            backend.batch_get(["ab" * 32], [bad])
 
 
 def test_reads_do_not_allocate_a_page_to_learn_the_dtype(tmp_path: Path) -> None:

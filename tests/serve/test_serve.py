@@ -208,16 +208,28 @@ async def test_a_local_checkpoint_serves_through_the_cache(tmp_path: Path) -> No
             assert got["model"] == "ckpt"
 
 
-def test_the_serve_command_listens_and_answers() -> None:
+@contextlib.contextmanager
+def serve_command(*args: str, **env: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`aiohicache serve` in a subprocess (tiny model, port 0), until it printed its URL:
+    the process and the URL. Killed at the end if it is still running."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "aiohicache", "serve", "--port", "0", "--l1", "4096"],
+        [sys.executable, "-m", "aiohicache", "serve", "--port", "0", "--l1", "4096", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         assert "aiohicache serve: tiny-llama on http://127.0.0.1:" in line, line
-        url = line.split(" on ")[1].split()[0]
+        yield proc, line.split(" on ")[1].split()[0]
+    finally:
+        proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_the_serve_command_listens_and_answers() -> None:
+    with serve_command() as (_, url):
 
         async def ask() -> dict[str, Any]:
             async with aiohttp.ClientSession() as session:
@@ -225,11 +237,6 @@ def test_the_serve_command_listens_and_answers() -> None:
 
         got = asyncio.run(ask())
         assert got["status"] == 200 and got["usage"]["completion_tokens"] == 3
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 async def test_a_prompt_longer_than_the_device_pool_is_computed_without_it() -> None:
@@ -374,16 +381,7 @@ async def test_an_engine_cancelled_while_it_closes_still_stops_its_compute_threa
 
 
 def test_ctrl_c_on_the_serve_command_returns_within_the_shutdown_timeout() -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "aiohicache", "serve", "--port", "0", "--l1", "4096",
-         "--shutdown-timeout", "0.5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert "aiohicache serve: tiny-llama on http://127.0.0.1:" in line, line
-        url = line.split(" on ")[1].split()[0]
+    with serve_command("--shutdown-timeout", "0.5") as (proc, url):
 
         async def interrupt_mid_stream() -> float:
             async with aiohttp.ClientSession() as session:
@@ -400,35 +398,18 @@ def test_ctrl_c_on_the_serve_command_returns_within_the_shutdown_timeout() -> No
         took = asyncio.run(interrupt_mid_stream())
         assert took < 0.5 + 5, took  # not when the stream is done
         proc.wait(30)
-        output = proc.stdout.read()
+        output = proc.stdout.read() if proc.stdout is not None else ""
         assert proc.returncode == 0 and "Traceback" not in output, output
-    finally:
-        proc.kill()
-        proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 def test_sigterm_stops_the_serve_command_as_ctrl_c_does(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "aiohicache", "serve", "--port", "0", "--l1", "4096",
-         "--l3", "tmp"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path)})
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert "aiohicache serve: tiny-llama on" in line, line
+    with serve_command("--l3", "tmp", TMPDIR=str(tmp_path)) as (proc, _):
         assert [p.name[:14] for p in tmp_path.iterdir()] == ["aiohicache-l3-"]
         proc.terminate()
         proc.wait(30)
-        output = proc.stdout.read()
+        output = proc.stdout.read() if proc.stdout is not None else ""
         assert proc.returncode == 0 and "Traceback" not in output, output
         assert list(tmp_path.iterdir()) == []  # the temporary L3 store is gone
-    finally:
-        proc.kill()
-        proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 def test_the_serve_command_refuses_a_negative_shutdown_timeout() -> None:
