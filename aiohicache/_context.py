@@ -19,14 +19,17 @@ from .memory import PageIds
 __all__ = ("FetchContext", "check_count", "lease")
 
 
-async def lease(core: Core, num_tokens: int, owner: int) -> PageIds:
+async def lease(core: Core, num_tokens: int, owner: int, *,
+                request: Request | None = None) -> PageIds:
+    """Lease pages for `num_tokens` to `owner` (a fetch context's: pass its `request`)."""
     core.check_open()
     num_pages = -(-num_tokens // core.config.page_size)
     if num_pages > core.tree.device_alloc.capacity:
         raise CapacityError(f"asked for {num_pages} device pages; the pool has "
                             f"{core.tree.device_alloc.capacity}")
     pages: PageIds = await core.run().call(
-        lambda op: alloc_op(core, num_pages, owner),
+        lambda op: alloc_op(core, num_pages, owner) if request is None
+        else request.lease_op(num_pages),
         undo=lambda got: core.leases.release_owned(got, owner))
     return pages
 
@@ -170,10 +173,11 @@ class FetchContext:
             assert head is not None
             return head.to(pool.device)
         try:
-            pages = await lease(req.core, rest, req.owner)
+            pages = await lease(req.core, rest, req.owner, request=req)
         except BaseException:
             req.tail = tail
             raise
+        req.check_active()  # TP: left meanwhile, by another task; its release frees them
         req.took_pages(pages, rest)
         slots = pool.pages_to_slots(pages)[:rest]
         return slots if head is None else torch.cat([head.to(slots.device), slots])

@@ -53,6 +53,7 @@ class Request:
         self.owner = next(Request._owner_ids)
         self.pin: int | None = None
         self.releasing = False  # TP: left; the pin goes at the next tick
+        self.released = False  # the release ran (TP: at its tick): its ops are refused
         self.entered = False
         self.pages: PageIds = np.empty(0, dtype=np.int64)  # device pages of the cached prefix
         self.jobs: list[LoadJob] = []  # loads the cached prefix waits for
@@ -72,6 +73,13 @@ class Request:
     def check_active(self) -> None:
         if self.pin is None:
             raise ClosedError("the fetch context is not active (use it inside 'async with')")
+
+    def check_unreleased(self) -> None:
+        """`check_active` for an op: with TP, leaving the context (at once) may come before
+        the tick that runs an op queued earlier, on some ranks only; its release runs after
+        every such op, on all of them."""
+        if self.released:
+            raise ClosedError("the fetch context was left")
 
     # ------------------------------------------------------------------ enter
 
@@ -166,10 +174,18 @@ class Request:
             self.tail = (page, used + take) if used + take < ps else None
         return head, num_tokens - take
 
+    def lease_op(self, num_pages: int) -> Plan[PageIds]:
+        """`alloc_op` for this context: the pages join its leases as they are leased, so its
+        release frees them whenever it runs; refused once the context has been released."""
+        self.check_unreleased()
+        plan = alloc_op(self.core, num_pages, self.owner)
+        if plan is not AGAIN:
+            self.leases.append(plan.result)
+        return plan
+
     def took_pages(self, pages: PageIds, num_tokens: int) -> None:
         """`allocate` leased `pages` for `num_tokens` (after the partial page, if any)."""
         ps = self.core.config.page_size
-        self.leases.append(pages)
         self.tail = (int(pages[-1]), num_tokens % ps) if num_tokens % ps else None
 
     # ------------------------------------------------------------------ commit
@@ -178,7 +194,7 @@ class Request:
         """Insert `toks` (KV after the cached prefix in `pages`); plan the write-through."""
         core = self.core
         ctl = core.check_open()
-        self.check_active()
+        self.check_unreleased()
         ps = core.config.page_size
         num_full = len(toks) // ps
         new_full = num_full - len(self.pages)
@@ -250,30 +266,29 @@ class Request:
 
     def release_op(self) -> None:
         """Unpin and free the leases not committed, now (runs once; later calls do nothing)."""
-        pin, leases = self._take()
-        self._release(pin, leases)
+        pin, self.pin = self.pin, None
+        self._release(pin)
 
     def release(self) -> None:
         """Leave: the release runs now, or (TP) at the next tick; either way the context is
-        inactive at once."""
-        pin, leases = self._take()
+        inactive at once. The leases are taken when it runs: pages an allocate of this
+        context leased before then (another task's, still waiting for its tick) go too."""
+        pin, self.pin = self.pin, None
         self.releasing = pin is not None
 
         def run() -> None:
             self.releasing = False
-            self._release(pin, leases)
+            self._release(pin)
         executor = self.core.executor
         if executor is None:
             run()
         else:
             executor.post(run)
 
-    def _take(self) -> tuple[int | None, list[PageIds]]:
-        pin, leases = self.pin, self.leases
-        self.pin, self.leases = None, []
-        return pin, leases
-
-    def _release(self, pin: int | None, leases: list[PageIds]) -> None:
+    def _release(self, pin: int | None) -> None:
+        """Unpin, free the leases not committed; from now on `lease_op` refuses."""
+        self.released = True
+        leases, self.leases = self.leases, []
         if pin is not None:
             self.core.pins.unpin(pin)
         for pages in leases:

@@ -25,9 +25,10 @@ from aiohicache import (
     WorkerError,
 )
 from aiohicache.memory import PageIds
-from tests.conftest import fill_kv, make_cache, make_tokens, prefill, until
+from tests.conftest import fill_kv, make_cache, make_config, make_tokens, prefill, until
 from tests.test_cancellation import (
     SEQS,
+    SETTLE_LIMIT,
     GatedEngine,
     assert_clean,
     assert_kv,
@@ -260,6 +261,25 @@ async def test_waiting_on_a_context_after_its_block_is_a_closed_error(wait: str)
             await (hit.ready() if wait == "ready" else hit.layer_ready(0))
 
 
+async def test_an_allocate_finishing_after_its_context_was_left_leases_nothing() -> None:
+    """`hit.allocate` waits for write-backs while another task leaves the context (a gather
+    whose other branch raised): the pages it leased afterwards belonged to a context that
+    was gone, so nothing ever freed them. Now it is refused and leases nothing."""
+    async with gated_cache(write_policy="write_back", device_pages=4) as (cache, engine):
+        for tokens in SEQS[:4]:
+            await prefill(cache, tokens)  # the device is full of KV that exists nowhere else
+        engine.writes.clear()
+        hit = cache.fetch(make_tokens(4, seed=99))
+        await hit.__aenter__()
+        allocating = asyncio.ensure_future(hit.allocate(8))  # stages write-backs, waits
+        await anyio.wait_all_tasks_blocked()
+        await hit.__aexit__(None, None, None)
+        engine.writes.set()
+        (outcome,) = await asyncio.gather(allocating, return_exceptions=True)
+        await assert_clean(cache)  # nothing stays leased
+        assert isinstance(outcome, ClosedError), outcome
+
+
 # ------------------------------------------------------------------------ hangs
 
 async def test_a_request_cancelled_while_waiting_for_queue_room_returns_at_once() -> None:
@@ -332,3 +352,69 @@ async def test_a_crash_inside_settle_fails_the_cache_instead_of_restarting(
                 pass
     with pytest.raises(ClosedError):
         await cache.allocate(1)
+
+
+def _crash(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("settle crashed")
+
+
+async def test_allocate_waiting_for_write_backs_raises_when_the_settle_worker_dies(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The settle worker crashing (no restart: the cache fails) woke the waiters for settles
+    but not the operations waiting for news: an allocate waiting for the write-backs it had
+    staged hung instead of raising."""
+    cache = make_cache(write_policy="write_back")
+    async with cache:
+        for seed in range(4):  # fill the device with nodes that have no host copy
+            await prefill(cache, make_tokens(16, seed=seed))
+        monkeypatch.setattr(cache.tree, "end_write", _crash)
+        with pytest.raises(WorkerError):
+            async with asyncio.timeout(SETTLE_LIMIT):
+                await cache.allocate(cache.device_pool.num_slots)
+        assert cache.stats().health == "failed"
+
+
+class WritesFailOnDemand(GatedEngine):
+    """Loads wait at their gate; once `fail_writes` is set, every write fails."""
+
+    fail_writes = False
+
+    def _run(self, src: PageIds, dst: PageIds, handle: Any, to_device: bool) -> None:
+        if to_device or not self.fail_writes:
+            super()._run(src, dst, handle, to_device)
+            return
+        handle.bridge.call_soon(handle._finish, OSError("write failed"))
+
+
+async def test_closing_a_failed_cache_launches_the_loads_still_queued() -> None:
+    """A failed cache does not drain on close, and the workers stop: loads still in the
+    queue were never launched, so `ready()` on them hung for ever, and so did a fetch
+    waiting for room in the queue. Now the close launches them."""
+    engine = WritesFailOnDemand()
+    cache = HiCache(make_config(max_inflight_loads=1, max_inflight_writes=1), engine=engine)
+    engine.attach(cache)
+    await cache.__aenter__()
+    try:
+        await host_only(cache, *SEQS[:5])
+        engine.loads.clear()
+        flights = []
+        for tokens in SEQS[:5]:  # fill the load queue until a fetch has to wait for room
+            flights.append(await launch(cache.fetch(tokens).__aenter__(), "task.cancel"))
+            if not flights[-1].task.done():
+                break
+        *entered, waiting = flights
+        assert not waiting.task.done() and len(engine.load_handles) < len(entered)
+        engine.fail_writes = True
+        await prefill(cache, make_tokens(4, seed=50))  # its write-through fails
+        await until(lambda: cache.stats().health == "failed")
+    finally:
+        closing = asyncio.ensure_future(cache.aclose())
+        await anyio.wait_all_tasks_blocked()  # the copies in flight hold the close
+        engine.open_gates()
+        await closing
+    async with asyncio.timeout(SETTLE_LIMIT):
+        for flight in entered:
+            hit = flight.task.result()
+            await hit.ready()
+            await hit.__aexit__(None, None, None)
+        await (await waiting.task).__aexit__(None, None, None)

@@ -193,6 +193,8 @@ class Consensus:
             if not self.finished.done():
                 self.finished.set_result(None)
             self._fail_all(self._closed_error())
+            if self.storage is not None:
+                self.storage.tp_stop()
 
     async def _wait_for_news(self, busy: bool) -> None:
         if busy:  # some rank has work in flight: tick at least every interval
@@ -226,7 +228,7 @@ class Consensus:
         v[L.TICK], v[L.NEG_TICK] = self.ticks, -self.ticks
         v[L.OPS], v[L.NEG_OPS] = len(self._log), -len(self._log)
         v[L.LOADS], v[L.WRITES] = self.controller.local_done()
-        v[L.NEG_FAILED] = -int(self.controller.failure is not None)
+        v[L.NEG_FAILED] = -int(self._failed_here())
         v[L.NEG_CLOCK] = -int(time.time() * 1000)
         digest = self._digest()
         v[L.DIGEST:L.DIGEST + L.DIGEST_LEN] = digest
@@ -239,6 +241,15 @@ class Consensus:
         for i, (_, deadline) in enumerate(self._voters()):
             v[L.STOPS + i] = -int(now >= deadline)
         return v
+
+    def _failed_here(self) -> bool:
+        """This rank failed, or one of its copies finished with an error. NOTE: reported
+        before that copy is settled (which records the failure on this rank only), so every
+        rank refuses work from the same tick on."""
+        ctl = self.controller
+        return ctl.failure is not None or any(
+            job.handle is not None and job.handle.exception() is not None
+            for job in ctl.inflight_jobs())
 
     def _voters(self) -> list[tuple[Op, float]]:
         """The oldest waiting ops with a deadline: one stop-vote slot each."""
@@ -268,10 +279,10 @@ class Consensus:
 
     def _apply(self, agreed: np.ndarray) -> None:
         L, ctl = _Layout, self.controller
-        if agreed[L.NEG_FAILED] < 0 and ctl.failure is None:
-            ctl.failure = WorkerError("a transfer failed on another rank; every rank stops "
-                                      "serving so the ranks stay identical")
         ctl.apply_done(int(agreed[L.LOADS]), int(agreed[L.WRITES]))
+        if agreed[L.NEG_FAILED] < 0 and ctl.failure is None:
+            ctl.failure = WorkerError("a transfer failed on a rank of the group; every rank "
+                                      "stops serving so the ranks stay identical")
         if self.storage is not None:
             self.storage.agreed_now = -int(agreed[L.NEG_CLOCK]) / 1000
             self.storage.agreed_bypass = bool(agreed[L.NEG_BYPASS] < 0)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+import anyio
 import numpy as np
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._concurrency import Promise
 from .._histogram import TransferHistograms
@@ -13,7 +16,10 @@ from ..memory import PageIds
 from ..radix import PendingOp
 from ..transfer import TransferHandle
 
-__all__ = ("LoadJob", "TransferCounters", "WriteJob", "_Job", "_concat", "leading_done")
+__all__ = ("LoadJob", "TransferCounters", "WriteJob", "_Job", "_concat", "leading_done",
+           "take_queued")
+
+T = TypeVar("T")
 
 
 class _Job(PendingOp):
@@ -107,3 +113,13 @@ def leading_done(jobs: Iterable[_Job]) -> int:
             break
         count += 1
     return count
+
+
+def take_queued(rx: MemoryObjectReceiveStream[T]) -> list[T]:
+    """Everything queued in `rx` now, oldest first, without waiting."""
+    items: list[T] = []
+    while True:
+        try:
+            items.append(rx.receive_nowait())
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            return items

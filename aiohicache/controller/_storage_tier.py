@@ -209,7 +209,8 @@ class StorageTier(TPResults):
     async def _propose(self, job: PrefetchJob, result: Awaitable[int]) -> None:
         job.proposal = await result
         self.kick()
-        await job.agreed.wait()
+        if not self.tp_stopped:  # else no tick will agree: `_prefetch_tp` finishes the job
+            await job.agreed.wait()
         job.agreed = anyio.Event()
 
     async def _count_present(self, job: PrefetchJob) -> int:
@@ -322,7 +323,7 @@ class StorageTier(TPResults):
         except BaseException:  # cancelled (closing): no tick will settle it, release here
             self._on_stored(backup, ok)
             raise
-        if self.tp:  # the tick applies the prefix every rank stored
+        if self.tp and not self.tp_stopped:  # the tick applies the prefix every rank stored
             backup.proposal = next((i for i, good in enumerate(ok) if not good), len(ok))
             self.kick()
         else:

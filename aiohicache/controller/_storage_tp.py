@@ -25,6 +25,8 @@ class TPResults:
     _reading: list[PrefetchJob]
     _backing_up: list[_Backup]
     breaker: Breaker
+    tp_stopped = False
+    """The tick has stopped for good (closed or failed): nothing more will be agreed."""
 
     def _on_count(self, job: PrefetchJob, count: int) -> bool:
         raise NotImplementedError
@@ -67,6 +69,17 @@ class TPResults:
         for value in _leading(stored):
             backup = self._backing_up[0]
             self._on_stored(backup, [i < value for i in range(len(backup.keys))])
+
+    def tp_stop(self) -> None:
+        """The tick has stopped: prefetches waiting for agreement end as misses (their
+        tasks free what they hold once their I/O is over), and backups apply this rank's
+        own results, so nothing waits for a tick that will not come (`drain` returns)."""
+        self.tp_stopped = True
+        for job in [*self._counting, *self._reading]:
+            job.agreed.set()
+        for backup in list(self._backing_up):
+            if (done := backup.proposal) is not None:
+                self._on_stored(backup, [i < done for i in range(len(backup.keys))])
 
     def tp_local_bypass(self) -> bool:
         """This rank's breaker is open (the tick ORs it over the ranks)."""

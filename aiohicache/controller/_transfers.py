@@ -33,7 +33,7 @@ from ..memory import PageIds
 from ..radix import DeviceState, Match, Node, RadixTree
 from ..transfer import TransferEngine, TransferHandle
 from ..transfer._base import write_after
-from ._jobs import LoadJob, TransferCounters, WriteJob, _concat, _Job, leading_done
+from ._jobs import LoadJob, TransferCounters, WriteJob, _concat, _Job, leading_done, take_queued
 from ._storage_tier import StorageTier
 
 __all__ = ("Controller",)
@@ -302,10 +302,12 @@ class Controller:
                         on_give_up=self.fail)
 
     def fail(self, exc: BaseException) -> None:
-        """Stop serving for good: later calls raise, and waiters for settles wake up."""
+        """Stop serving for good: later calls raise; waiters for settles and operations
+        waiting for news (an allocate waiting for write-backs) wake up and raise."""
         if self.failure is None:
             self.failure = exc
         self._settled.fire()
+        self.kick()
 
     async def _load_worker(self) -> None:
         await self._drain_channel(self._load_rx, self._launch_loads, self._loads)
@@ -318,12 +320,7 @@ class Controller:
         limit = self.config.transfer.max_inflight_loads if rx is self._load_rx \
             else self.config.transfer.max_inflight_writes
         async for job in rx:
-            batch = [job]
-            while True:  # merge whatever else is queued into the same copy
-                try:
-                    batch.append(rx.receive_nowait())
-                except (anyio.WouldBlock, anyio.EndOfStream):
-                    break
+            batch = [job, *take_queued(rx)]  # merge whatever else is queued into one copy
             self._queued -= len(batch)
             self._room.fire()  # wake senders waiting for room
             launch(batch)
@@ -440,6 +437,14 @@ class Controller:
         await self._write_tx.aclose()
 
     async def close_receivers(self) -> None:
+        """With the workers stopped, launch what they left queued (drain skipped after a
+        failure, or cut short) and wake senders waiting for room: nobody waits for ever."""
+        for rx, launch in ((self._load_rx, self._launch_loads),
+                           (self._write_rx, self._launch_writes)):
+            if left := take_queued(rx):
+                self._queued -= len(left)
+                launch(left)
+        self._room.fire()
         await self._load_rx.aclose()
         await self._write_rx.aclose()
 

@@ -15,15 +15,24 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiohicache import CapacityError, ConfigError, HiCache, PageError
+from aiohicache import (
+    CapacityError,
+    ClosedError,
+    ConfigError,
+    FetchContext,
+    HiCache,
+    PageError,
+    WorkerError,
+)
 from aiohicache.controller import page_format
 from aiohicache.distributed import TPGroup
 from aiohicache.errors import DivergenceError, RankTimeoutError
+from aiohicache.memory import PageIds
 from aiohicache.storage import MemoryBackend
 from aiohicache.storage.faults import FaultyBackend
 
-from ..conftest import SPEC_MLA, fill_kv, make_config, make_tokens
-from ..test_cancellation import assert_kv
+from ..conftest import SPEC_MLA, fill_kv, make_config, make_tokens, until
+from ..test_cancellation import SETTLE_LIMIT, GatedEngine, assert_kv
 
 RankFn = Callable[[int, HiCache], Awaitable[Any]]
 
@@ -246,6 +255,29 @@ async def test_a_second_free_before_the_tick_is_a_double_free() -> None:
         assert all(c.stats().device_pages_leased == 0 for c in caches)
 
 
+async def test_an_allocate_run_after_its_context_was_left_leases_nothing() -> None:
+    """Another task left the context before the tick ran its `allocate`: the pages that
+    tick leased were not among the leases the exit had taken, so they stayed leased for
+    good, on every rank."""
+    caches = tp_caches(2)
+
+    async def rank(r: int, cache: HiCache) -> object:
+        hit = cache.fetch(make_tokens(4, seed=9))
+        await hit.__aenter__()
+        allocating = asyncio.ensure_future(hit.allocate(8))
+        await asyncio.sleep(0)  # its op is in the log
+        await hit.__aexit__(None, None, None)  # the release follows it
+        (outcome,) = await asyncio.gather(allocating, return_exceptions=True)
+        await serve(cache, make_tokens(8, seed=77))  # a tick: the release runs
+        return outcome
+
+    async with opened(caches):
+        outcomes = await on_ranks(caches, rank)
+        assert_same(caches)
+        assert all(c.stats().device_pages_leased == 0 for c in caches)
+        assert all(isinstance(o, ClosedError) for o in outcomes), outcomes
+
+
 # ------------------------------------------------------------------------------ cancellation
 
 async def cancel_on_every_rank(caches: list[HiCache], start: RankFn,
@@ -295,19 +327,59 @@ async def test_cancel_a_commit_in_flight() -> None:
         await cancel_on_every_rank(caches, commit, after=0.0)
 
 
-async def test_cancel_a_fetch_waiting_for_its_prefetch() -> None:
-    """MLA pages in L3 are shared by all ranks (and TP sizes): fill L3 from a 1-rank cache,
-    then make both TP ranks wait for a slow prefetch and cancel them while they wait."""
-    cfg: dict[str, Any] = {"spec": SPEC_MLA, "prefetch_threshold": 4, "backup_threshold": 1}
-    store = MemoryBackend(page_format(make_config(**cfg)))
-    tokens = make_tokens(32, seed=5)
-    async with HiCache(make_config(storage=store, **cfg)) as filler:
+async def test_a_commit_cancelled_then_left_commits_on_every_rank() -> None:
+    """A timeout cancels `commit`, then the request leaves its context: on rank 0 the
+    cancellation lands just after the tick that ran the commit, on rank 1 just before it,
+    so rank 1 left the context before its tick. The commit then checked the context's pin,
+    which leaving drops at once: rank 1 refused the commit rank 0 made, and they diverged."""
+    caches = tp_caches(2)
+    tokens = make_tokens(12)
+    async with opened(caches):
+        hits = [cache.fetch(tokens) for cache in caches]
+        await on_ranks(caches, lambda r, c: hits[r].__aenter__())
+        release, all_held = hold_ticks(caches)  # from the tick after the next one
+        slots = await on_ranks(caches, lambda r, c: hits[r].allocate(12))
+        for cache, got in zip(caches, slots, strict=True):
+            fill_kv(cache, got, tokens)
+        await until(all_held)
+        commits = [asyncio.ensure_future(hit.commit(tokens, got))
+                   for hit, got in zip(hits, slots, strict=True)]
+        await until(lambda: all(len(c._tp._log) == 1 for c in caches))  # type: ignore[union-attr]
+        commits[1].cancel()  # before its tick ...
+        with pytest.raises(asyncio.CancelledError):
+            await commits[1]
+        await hits[1].__aexit__(None, None, None)  # ... and left before it, too
+        caches[0]._tp.on_tick.append(lambda _: commits[0].cancel())  # type: ignore[union-attr]
+        release.set()  # rank 0: cancelled just after the tick that ran its commit
+        with pytest.raises(asyncio.CancelledError):
+            await commits[0]
+        await hits[0].__aexit__(None, None, None)
+        cached = await on_ranks(caches, lambda r, c: serve(c, tokens))
+        assert cached == [12, 12]  # committed on every rank
+        assert_same(caches)
+        assert all(c.stats().device_pages_leased == 0 for c in caches)
+
+
+MLA_L3: dict[str, Any] = {"spec": SPEC_MLA, "prefetch_threshold": 4, "backup_threshold": 1}
+
+
+async def mla_store(tokens: list[int]) -> MemoryBackend:
+    """An L3 store holding `tokens`' MLA pages, shared by all ranks (and TP sizes): filled
+    from a 1-rank cache."""
+    store = MemoryBackend(page_format(make_config(**MLA_L3)))
+    async with HiCache(make_config(storage=store, **MLA_L3)) as filler:
         await serve(filler, tokens)
         await serve(filler, tokens)  # a hit: write-through, then backup
         await filler.drain()
     assert filler.stats().storage is not None and filler.stats().storage["backed_up_pages"] > 0
-    slow = FaultyBackend(store, seed=0, latency=(0.3, 0.3))
-    caches = tp_caches(2, storage=slow, prefetch_policy="wait_complete", **cfg)
+    return store
+
+
+async def test_cancel_a_fetch_waiting_for_its_prefetch() -> None:
+    """Both TP ranks wait for a slow prefetch and are cancelled while they wait."""
+    tokens = make_tokens(32, seed=5)
+    slow = FaultyBackend(await mla_store(tokens), seed=0, latency=(0.3, 0.3))
+    caches = tp_caches(2, storage=slow, prefetch_policy="wait_complete", **MLA_L3)
     async with opened(caches):
         async def enter(r: int, cache: HiCache) -> None:
             async with cache.fetch(tokens):
@@ -329,3 +401,91 @@ async def test_close_is_agreed_and_leaves_nothing_running() -> None:
 
     await on_ranks(caches, rank)
     assert caches[0]._tp.ticks == caches[1]._tp.ticks  # type: ignore[union-attr]
+
+
+# ------------------------------------------------------------------------------ failures
+
+class LoadsFail(GatedEngine):
+    """Every load fails once its gate opens."""
+
+    def _run(self, src: PageIds, dst: PageIds, handle: Any, to_device: bool) -> None:
+        if not to_device:
+            super()._run(src, dst, handle, to_device)
+            return
+        self.loads.wait()
+        handle.bridge.call_soon(handle._finish, OSError("load failed"))
+
+
+def hold_ticks(caches: list[HiCache]) -> tuple[asyncio.Event, Callable[[], bool]]:
+    """Hold every rank's ticker before its next wait for news (an idle ticker already
+    waiting: after its next tick) until the returned event is set; the callable says
+    whether all of them are held."""
+    release, held = asyncio.Event(), [False] * len(caches)
+    for r, cache in enumerate(caches):
+        consensus = cache._tp
+        assert consensus is not None
+
+        async def wait(busy: bool, r: int = r, news: Any = consensus._wait_for_news) -> None:
+            held[r] = True
+            await release.wait()
+            await news(busy)
+        consensus._wait_for_news = wait  # type: ignore[method-assign]
+    return release, lambda: all(held)
+
+
+async def test_a_copy_failed_on_one_rank_stops_every_rank_at_the_same_tick() -> None:
+    """Rank 0's load fails, rank 1's lands. The tick that settled them recorded the failure
+    on rank 0 only (a settle records it), and ran the next fetch there too: rank 0 refused
+    it while rank 1 served it; the ranks only agreed on the failure one tick later."""
+    groups = TPGroup.local(2, timeout=10.0)
+    engines = [LoadsFail(), GatedEngine()]
+    caches = [HiCache(make_config(tp_rank=r, tp_size=2, tp_timeout=10.0), engine=engines[r],
+                      tp_group=groups[r]) for r in range(2)]
+    for engine, cache in zip(engines, caches, strict=True):
+        engine.attach(cache)
+    loaded = make_tokens(8, seed=1)
+
+    async def host_only(r: int, cache: HiCache) -> None:
+        await serve(cache, loaded)
+        await cache.drain()
+        cache.free(await cache.allocate(cache.device_pool.num_slots))  # evicts to the host
+
+    async with opened(caches):
+        await on_ranks(caches, host_only)
+        for engine in engines:
+            engine.loads.clear()
+        hits = [cache.fetch(loaded) for cache in caches]
+        await on_ranks(caches, lambda r, c: hits[r].__aenter__())  # the loads are in flight
+        release, all_held = hold_ticks(caches)
+        await until(all_held)
+        for engine in engines:
+            engine.loads.set()
+        await until(lambda: all(e.load_handles[0].done() for e in engines))
+        fetches = [asyncio.ensure_future(c.fetch(make_tokens(8, seed=2)).__aenter__())
+                   for c in caches]
+        await until(lambda: all(len(c._tp._log) == 1 for c in caches))  # type: ignore[union-attr]
+        release.set()  # one tick settles both loads and runs both fetches
+        got = await asyncio.gather(*fetches, return_exceptions=True)
+        for hit in [*hits, *(g for g in got if isinstance(g, FetchContext))]:
+            await hit.__aexit__(None, None, None)
+        assert [type(g) for g in got] == [WorkerError, WorkerError]
+
+
+async def test_drain_returns_after_the_consensus_failed_with_l3_io_in_flight() -> None:
+    """Prefetches and backups wait for the tick to agree on their results; once the tick
+    has stopped (here: the ranks diverged) none ever comes, so `drain()` waited for ever."""
+    tokens = make_tokens(32, seed=5)
+    slow = FaultyBackend(await mla_store(tokens), seed=0, latency=(0.3, 0.3))
+    caches = tp_caches(2, timeout=2.0, storage=slow, prefetch_policy="best_effort", **MLA_L3)
+
+    async def rank(r: int, cache: HiCache) -> None:
+        async with cache.fetch(tokens) as hit:  # best effort: its prefetch goes on
+            assert hit.num_cached_tokens == 0
+        with pytest.raises(DivergenceError):
+            await serve(cache, make_tokens(16, seed=2 + r))
+        async with asyncio.timeout(SETTLE_LIMIT):
+            await cache.drain()
+        cache.check_invariants()
+
+    async with opened(caches):
+        await on_ranks(caches, rank)
