@@ -154,14 +154,6 @@ class StorageTier(TPResults):
             self._tg.start_soon(self._prefetch, job)
         return job
 
-    async def wait(self, job: PrefetchJob, num_tokens: int) -> None:
-        """Wait for `job` as the policy says. Cancellation: only the wait stops."""
-        timeout = self.wait_seconds(num_tokens)
-        if timeout == 0:
-            return
-        with anyio.move_on_after(timeout):
-            await job.done.wait()
-
     def wait_seconds(self, num_tokens: int) -> float:
         """How long a fetch of `num_tokens` waits for its prefetch (0: not at all)."""
         policy = self.config.l3.prefetch_policy

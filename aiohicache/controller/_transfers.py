@@ -28,7 +28,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .._concurrency import Pulse, Signal, supervise
 from ..config import HiCacheConfig
-from ..errors import CapacityError, TPError, WorkerError
+from ..errors import TPError, WorkerError
 from ..memory import PageIds
 from ..radix import DeviceState, Match, Node, RadixTree
 from ..transfer import TransferEngine, TransferHandle
@@ -248,31 +248,6 @@ class Controller:
         self._queued -= 1
         launch = self._launch_loads if isinstance(job, LoadJob) else self._launch_writes
         launch([job])
-
-    async def alloc_device_wait(self, num_pages: int) -> PageIds:
-        """Like `alloc_device`, but waits while copies in flight may free pages.
-
-        Nodes being written are not evictable and staged write-backs free their pages when
-        they settle, so a shortage is only final once no copy is pending.
-
-        Raises:
-            CapacityError: the pool cannot free `num_pages` and no copy is pending.
-
-        Cancellation: nothing is allocated; staged write-backs continue.
-        """
-        if num_pages > self.tree.device_alloc.capacity:
-            raise CapacityError(f"asked for {num_pages} device pages; the pool has "
-                                f"{self.tree.device_alloc.capacity}")
-        while True:
-            self.check_healthy()  # a failed cache settles nothing more: do not wait for it
-            pages = self.alloc_device(num_pages)
-            if pages is not None:
-                return pages
-            if self.demoting_pages == 0 and self.idle:
-                raise CapacityError(
-                    f"cannot allocate {num_pages} device pages: {self.tree.device_alloc.num_free}"
-                    " free and the rest pinned or in flight")
-            await self.wait_settled()
 
     # ------------------------------------------------------------------ workers
 
