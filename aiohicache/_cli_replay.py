@@ -99,7 +99,8 @@ def _pacing_options() -> list[Callable[[Any], Any]]:
                      help="With --time timestamps: replay this many times faster than "
                           "recorded."),
         click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Requests in flight at once (1: sequential, deterministic)."),
+                     help="Requests in flight at once (1: sequential, deterministic); with "
+                          "--time timestamps a cap on them, 1 meaning none."),
         click.option("--settle/--no-settle", default=True, show_default=True,
                      help="Sequential replays: let each request's copies settle before the "
                           "next (same numbers every run)."),
@@ -308,7 +309,7 @@ async def _sampled(replay: Callable[[], Awaitable[ReplayResult]],
 def _print_replay(results: list[ReplayResult], trace: str, *, as_json: bool,
                   swept: bool) -> None:
     if as_json:
-        click.echo(to_json(results))
+        click.echo(to_json(results, listed=swept))
         return
     for r in results if not swept else results[:0]:
         click.echo(format_result(r, title=f"aiohicache replay: {trace}"))

@@ -4,8 +4,12 @@
     from aiohicache.metrics import CacheCollector
 
     registry = CollectorRegistry()
-    registry.register(CacheCollector(cache))          # or labels={"rank": "0"} per TP rank
+    registry.register(CacheCollector(cache))
     text = generate_latest(registry)
+
+Several caches in one registry (TP ranks of one process) go through one `MultiCacheCollector`,
+each with labels that tell it apart: collectors registered side by side would print each
+family once per cache, which scrapers reject.
 
 Every value is read from the cache when the registry is scraped (nothing is counted twice and
 the cache keeps no Prometheus objects). Needs the ``metrics`` extra (``prometheus-client``).
@@ -14,7 +18,8 @@ docs/observability.md lists every metric.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import (
@@ -27,16 +32,20 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from ._histogram import Histogram, TransferHistograms
+from .errors import ConfigError
 
 if TYPE_CHECKING:
     from ._stats import CacheStats
     from .api import HiCache
 
-__all__ = ("CacheCollector", "render")
+__all__ = ("CacheCollector", "MultiCacheCollector", "render")
 
 PREFIX = "aiohicache"
 HEALTH_STATES = ("ok", "degraded", "failed")
 BREAKER_STATES = ("closed", "open", "half_open")
+_OWN_LABELS = ("tier", "state", "direction", "le", "quantile")
+"""Label names the collector sets itself, or that histograms and summaries reserve."""
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 # (metric suffix, CacheStats.storage key, help)
 _STORAGE_COUNTERS = (
@@ -58,13 +67,22 @@ class CacheCollector(Collector):
     Args:
         cache: the cache (open or not; before opening, transfer metrics read zero).
         labels: constant labels added to every sample, e.g. ``{"rank": "0"}`` when several
-            caches (TP ranks) share a registry.
+            caches (TP ranks) share a registry through `MultiCacheCollector`.
+
+    Raises:
+        ConfigError: a label name Prometheus cannot parse, reserved (``__*``), or one the
+            collector sets itself (``tier``, ``state``, ``direction``, ``le``, ``quantile``).
     """
 
     def __init__(self, cache: HiCache, *, labels: Mapping[str, str] | None = None) -> None:
         self.cache = cache
-        self._names = list(labels or {})
+        self._names = [_check_label(name) for name in labels or {}]
         self._values = [str(v) for v in (labels or {}).values()]
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """The constant labels of every sample."""
+        return dict(zip(self._names, self._values, strict=True))
 
     def describe(self) -> list[Metric]:
         return []  # collected on demand: registering never reads the cache
@@ -190,6 +208,56 @@ class CacheCollector(Collector):
                          ("used_bytes", "Bytes the L3 backend holds.")):
             if (value := getattr(stats, key)) is not None:
                 yield self._add(self._family(GaugeMetricFamily, f"storage_{key}", doc), value)
+
+
+def _check_label(name: str) -> str:
+    if not isinstance(name, str) or not _LABEL_NAME.fullmatch(name) or name.startswith("__"):
+        raise ConfigError(f"labels: {name!r} is not a Prometheus label name "
+                          "([a-zA-Z_][a-zA-Z0-9_]*, not starting with __)")
+    if name in _OWN_LABELS:
+        raise ConfigError(f"labels: {name!r} is a label the collector sets itself "
+                          f"({', '.join(_OWN_LABELS)})")
+    return name
+
+
+class MultiCacheCollector(Collector):
+    """Several caches' metrics in one registry (TP ranks of one process): each family once,
+    with the samples of every cache.
+
+        registry.register(MultiCacheCollector([CacheCollector(c, labels={"rank": str(r)})
+                                               for r, c in enumerate(caches)]))
+
+    Args:
+        collectors: one per cache, all with the same label names and different values.
+
+    Raises:
+        ConfigError: the collectors' label names differ, or two have the same values (their
+            samples would collide).
+    """
+
+    def __init__(self, collectors: Iterable[CacheCollector]) -> None:
+        self.collectors = list(collectors)
+        names = {tuple(c.labels) for c in self.collectors}
+        if len(names) > 1:
+            raise ConfigError(f"labels: the caches must have the same label names, got "
+                              f"{sorted(names)}")
+        values = [tuple(c.labels.values()) for c in self.collectors]
+        if len(set(values)) < len(values):
+            raise ConfigError(f"labels: two caches have the same labels {values}: give each "
+                              "values that tell it apart")
+
+    def describe(self) -> list[Metric]:
+        return []  # as CacheCollector's
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for collector in self.collectors:
+            for family in collector.collect():
+                if (first := families.get(family.name)) is None:
+                    families[family.name] = family
+                else:
+                    first.samples.extend(family.samples)
+        yield from families.values()
 
 
 def render(cache: HiCache, *, labels: Mapping[str, str] | None = None) -> bytes:

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from aiohicache import HiCache
+from aiohicache import ConfigError, HiCache
 from aiohicache.controller import page_format
 from aiohicache.metrics import CacheCollector, render
 from aiohicache.storage.faults import FaultyBackend
@@ -141,3 +141,51 @@ async def test_a_registry_can_be_scraped_before_the_cache_opens() -> None:
     got = samples(render(cache))
     assert got[("aiohicache_requests_total", ())] == 0
     assert ("aiohicache_kv_load_bytes_count", (("tier", "L2"),)) not in got
+
+
+async def test_several_caches_share_a_registry_with_each_family_once() -> None:
+    """TP ranks in one process: one registry, each cache told apart by a label. Two
+    `CacheCollector`s registered side by side print every family twice, which scrapers
+    reject (the OpenMetrics parser: "Clashing name"); `MultiCacheCollector` merges them."""
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics
+    from prometheus_client.openmetrics.parser import (
+        text_string_to_metric_families as parse_openmetrics,
+    )
+
+    from aiohicache.metrics import MultiCacheCollector
+
+    async with make_cache() as rank0, make_cache() as rank1:
+        await prefill(rank0, make_tokens(8))
+        await prefill(rank1, make_tokens(16))
+        registry = CollectorRegistry()
+        registry.register(MultiCacheCollector([CacheCollector(rank0, labels={"rank": "0"}),
+                                               CacheCollector(rank1, labels={"rank": "1"})]))
+        text = generate_latest(registry)
+        parsed = list(parse_openmetrics(openmetrics(registry).decode()))
+    got = samples(text)
+    assert text.decode().count("# TYPE aiohicache_requests_total counter") == 1
+    assert len({f.name for f in parsed}) == len(parsed)
+    assert got[("aiohicache_prompt_tokens_total", (("rank", "0"),))] == 8
+    assert got[("aiohicache_prompt_tokens_total", (("rank", "1"),))] == 16
+
+
+def test_merged_collectors_must_tell_their_caches_apart() -> None:
+    from aiohicache.metrics import MultiCacheCollector
+
+    a, b = make_cache(), make_cache()
+    with pytest.raises(ConfigError, match="^labels: .*tell"):
+        MultiCacheCollector([CacheCollector(a, labels={"rank": "0"}),
+                             CacheCollector(b, labels={"rank": "0"})])
+    with pytest.raises(ConfigError, match="^labels: .*same label names"):
+        MultiCacheCollector([CacheCollector(a, labels={"rank": "0"}),
+                             CacheCollector(b, labels={"node": "1"})])
+
+
+@pytest.mark.parametrize("name", ["tier", "state", "direction", "le", "quantile", "bad-name",
+                                  "0rank", "__reserved", ""])
+def test_labels_that_would_break_the_exposition_are_refused(name: str) -> None:
+    """A label the collector adds itself (``tier="x",tier="L1"``: duplicate names), ``le``
+    on a histogram (its bucket bound), or a name Prometheus cannot parse: a scraper rejects
+    the whole exposition, so the collector refuses it when made."""
+    with pytest.raises(ConfigError, match="^labels: "):
+        CacheCollector(make_cache(), labels={name: "x"})

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from .._lagprobe import LagSummary
 from ..api import CacheStats
 from ..config import HiCacheConfig
+from ..storage.factory import shown_url
 
 if TYPE_CHECKING:
     from .runner import ReplayConfig
@@ -41,6 +42,7 @@ class ReplayResult:
     device_tokens: int
     host_tokens: int
     storage: str | None
+    """The L3 as configured (``tmp``, a URL without its user and password), or None."""
     bytes_per_token: int
     kv_scale: int
     extra: dict[str, float] = field(default_factory=dict)
@@ -97,6 +99,6 @@ def make_result(config: ReplayConfig, cache_config: HiCacheConfig, stats: CacheS
         model_bytes_d2h=stats.written_bytes * config.kv_scale, wall_seconds=timing.wall,
         lag=timing.lag, device_tokens=cache_config.device_pages * config.page_size,
         host_tokens=cache_config.host_capacity_pages * config.page_size,
-        storage=config.storage,
+        storage=None if config.storage is None else shown_url(config.storage),  # no password
         bytes_per_token=cache_config.spec.bytes_per_token, kv_scale=config.kv_scale,
         eviction=config.eviction, lag_floor=timing.floor)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 
 from .._validate import check_int
 from ..config import KVSpec
@@ -51,12 +52,13 @@ def parse_capacity(text: str, *, bytes_per_token: int, field_name: str) -> int:
     Raises:
         ConfigError: the text is neither form.
     """
+    # NOTE: Decimal, not float: "16.016k" is 16,016 tokens, where floats make 16015.99...
     m = _TOKENS.match(text)
     if m:
-        return int(float(m.group(1)) * _SI[m.group(2).lower()])
+        return int(Decimal(m.group(1)) * _SI[m.group(2).lower()])
     m = _BYTES.match(text)
     if m:
         unit = (m.group(2) or "").lower()
         scale = _IEC.get(unit) or _SI[unit]
-        return int(float(m.group(1)) * scale) // bytes_per_token
+        return int(Decimal(m.group(1)) * scale) // bytes_per_token
     raise ConfigError(f"{field_name}: {text!r} is neither tokens (512k, 10M) nor bytes (4GiB)")

@@ -81,9 +81,11 @@ def result_to_dict(r: ReplayResult) -> dict[str, object]:
     return out
 
 
-def to_json(results: Sequence[ReplayResult]) -> str:
+def to_json(results: Sequence[ReplayResult], *, listed: bool = False) -> str:
+    """One replay's object, or a list of them: several, or `listed` (a sweep, whatever its
+    length, so a script reads its rows the same way)."""
     items = [result_to_dict(r) for r in results]
-    return json.dumps(items[0] if len(items) == 1 else items, indent=2)
+    return json.dumps(items[0] if len(items) == 1 and not listed else items, indent=2)
 
 
 def format_sweep(results: Sequence[ReplayResult]) -> str:

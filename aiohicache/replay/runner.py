@@ -72,7 +72,8 @@ class ReplayConfig:
     """``fast``: as fast as possible; ``timestamps``: honour arrival times / `speedup`."""
     speedup: float = 1.0
     concurrency: int = 1
-    """Requests in flight at once (``fast``); a cap on it (``timestamps``). 1 = sequential."""
+    """Requests in flight at once with ``fast`` (1: sequential); with ``timestamps`` a cap on
+    them, 1 meaning none (each request starts at its arrival, whatever is still running)."""
     storage: str | None = None
     """L3: None, ``"tmp"`` (a file store in a temporary directory, removed afterwards) or a
     storage URL (``file:///dir``, ``redis://host:port/0``, ``memory://``)."""

@@ -30,7 +30,7 @@ from .base import PageFormat, StorageBackend
 from .file import FileBackend
 from .memory import MemoryBackend
 
-__all__ = ("URL_OPTIONS", "backend_from_url", "check_url", "parse_size")
+__all__ = ("URL_OPTIONS", "backend_from_url", "check_url", "parse_size", "shown_url")
 
 _SCHEMES = ("memory://, file:///abs/dir, file:rel/dir, redis://..., rediss://..., "
             "redis+cluster://host:port,..., rediss+cluster://...")
@@ -104,10 +104,10 @@ def _url_options(url: str, scheme: str, given: dict[str, Any]) -> dict[str, Any]
                                  strict_parsing=False):
         if name not in allowed:
             raise ConfigError(f"storage: {scheme} URLs take the options {sorted(allowed)}, "
-                              f"got {name!r} in {_shown(url)!r}")
+                              f"got {name!r} in {shown_url(url)!r}")
         keyword = allowed[name]
         if keyword in out or keyword in given:
-            raise ConfigError(f"storage: option {name!r} is given twice for {_shown(url)!r}")
+            raise ConfigError(f"storage: option {name!r} is given twice for {shown_url(url)!r}")
         out[keyword] = _option_value(name, value)
     return out
 
@@ -131,10 +131,10 @@ def _parse(url: object) -> tuple[str, str]:
     if not isinstance(url, str):
         raise ConfigError(f"storage: must be a URL or a StorageBackend, got {url!r}")
     if any(ord(c) < 32 or ord(c) == 127 for c in url):
-        raise ConfigError(f"storage: URL {_shown(url)!r} contains a control character")
+        raise ConfigError(f"storage: URL {shown_url(url)!r} contains a control character")
     scheme, colon, _ = url.partition(":")
     if not colon or not scheme:
-        raise ConfigError(f"storage: {_shown(url)!r} is not a URL (no scheme); expected one of "
+        raise ConfigError(f"storage: {shown_url(url)!r} is not a URL (no scheme); expected one of "
                           f"{_SCHEMES}")
     scheme = scheme.lower()
     if scheme == "memory":
@@ -151,7 +151,7 @@ def _parse(url: object) -> tuple[str, str]:
     if scheme in _CLUSTER:
         _check_cluster(url)
         return "cluster", url
-    raise ConfigError(f"storage: unknown URL scheme {scheme!r} in {_shown(url)!r}; expected "
+    raise ConfigError(f"storage: unknown URL scheme {scheme!r} in {shown_url(url)!r}; expected "
                       f"one of {_SCHEMES}")
 
 
@@ -171,7 +171,7 @@ def _build(cls: Any, url: str, *args: Any) -> StorageBackend:
     try:
         backend: StorageBackend = cls(*positional, **opts)
     except TypeError as exc:  # an unknown keyword: name it, with the URL
-        raise ConfigError(f"storage: bad options for {_shown(url)!r}: {exc}") from None
+        raise ConfigError(f"storage: bad options for {shown_url(url)!r}: {exc}") from None
     except ConfigError as exc:
         if str(exc).startswith("storage"):
             raise
@@ -202,7 +202,7 @@ def _file_path(url: str) -> str:
 
 def _check_redis(url: str) -> None:
     parts = _split(url)
-    shown = _shown(url)
+    shown = shown_url(url)
     if not parts.hostname:
         raise ConfigError(f"storage: redis URL {shown!r} names no host; use "
                           f"'redis://host:port/db'")
@@ -223,7 +223,7 @@ def _check_cluster(url: str) -> None:
     """``redis+cluster://[user:pass@]host:port[,host:port...]``: each seed checked as a
     redis URL's host and port (no database: a cluster has only database 0)."""
     parts = _split(url)
-    shown = _shown(url)
+    shown = shown_url(url)
     auth, _, hosts = parts.netloc.rpartition("@")
     if not hosts:
         raise ConfigError(f"storage: cluster URL {shown!r} names no node; use "
@@ -241,10 +241,10 @@ def _split(url: str) -> SplitResult:
     try:
         return urlsplit(url)
     except ValueError as exc:  # e.g. an unclosed IPv6 bracket
-        raise ConfigError(f"storage: URL {_shown(url)!r} is malformed: {exc}") from None
+        raise ConfigError(f"storage: URL {shown_url(url)!r} is malformed: {exc}") from None
 
 
-def _shown(url: str) -> str:
+def shown_url(url: str) -> str:
     """`url` with any user and password replaced by ``***``: everything up to the last
     ``@`` (a password may hold ``/``, ``?`` or ``#`` unencoded), and password options of
     the query."""

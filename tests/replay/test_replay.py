@@ -13,9 +13,12 @@ import anyio
 import pytest
 from click.testing import CliRunner
 
-from aiohicache import ConfigError
+from aiohicache import ConfigError, HiCache
+from aiohicache._lagprobe import LagSummary
 from aiohicache.cli import cli
-from aiohicache.replay import load_trace, stream_trace, synthetic
+from aiohicache.replay import Request, load_trace, stream_trace, synthetic
+from aiohicache.replay._result import Timing, make_result
+from aiohicache.replay.report import format_result, to_json
 from aiohicache.replay.runner import (
     MODELS,
     ReplayConfig,
@@ -40,6 +43,44 @@ def test_single_tier_replay_hits_equal_the_independent_oracle(
     expected = sum(oracle.serve(r.tokens().tolist(), slot_pages=True) for r in requests)
     assert result.l1_tokens == expected
     assert result.l2_tokens == 0 and result.prompt_tokens == sum(r.input_length for r in requests)
+
+
+def ever_cached_hits(requests: list[Request], capacity: int, page_size: int
+                     ) -> tuple[int, int]:
+    """(L1 hit tokens, L1+L2+L3 hit tokens) of a replay whose L2 and L3 keep every page L1
+    ever held: L1 is the single-tier oracle (every page a request uses ends up on the
+    device, computed or loaded back), and the rest hits the longest prefix of pages L1 held
+    at some time before. Pages are named by a hash chain of their tokens."""
+    oracle, ever = PrefixLRU(capacity // page_size, page_size=page_size), set()
+    l1 = total = 0
+    for request in requests:
+        tokens = request.tokens().tolist()
+        names, name = [], 0
+        for k in range(len(tokens) // page_size):
+            name = hash((name, tuple(tokens[k * page_size:(k + 1) * page_size])))
+            names.append(name)
+        total += page_size * next((k for k, n in enumerate(names) if n not in ever),
+                                  len(names))
+        hit = oracle.serve(tokens, slot_pages=True)
+        l1 += hit
+        if -(-(len(tokens) - hit) // page_size) <= capacity // page_size - hit // page_size:
+            ever.update(names)  # the oracle inserted the request's whole pages
+    return l1, total
+
+
+@pytest.mark.parametrize(("page_size", "l3"), [(64, None), (256, "memory://")])
+async def test_l1_equals_the_single_tier_oracle_and_all_tiers_every_page_ever_cached(
+        page_size: int, l3: str | None) -> None:
+    """Independent of the cache: with L2 (and L3) large enough to keep every page, L1 serves
+    what one tier of its size would, and L1+L2(+L3) every page L1 ever held before."""
+    requests = load_trace("mooncake", limit=300)
+    config = ReplayConfig(spec=MODELS["tiny"], device_tokens=100_000, page_size=page_size,
+                          host_tokens=10_000_000 if l3 is None else 150_000, storage=l3)
+    result = await replay(config, requests)
+    l1, total = ever_cached_hits(requests, 100_000, page_size)
+    assert result.l1_tokens == l1
+    assert result.l1_tokens + result.l2_tokens + result.l3_tokens == total
+    assert (result.l3_tokens > 0) == (l3 is not None)
 
 
 async def test_two_tiers_serve_at_least_what_one_tier_does() -> None:
@@ -76,9 +117,30 @@ def test_kv_scale_divides_bytes_per_token_and_keeps_rows_usable() -> None:
 
 @pytest.mark.parametrize(("text", "tokens"), [
     ("512k", 512_000), ("10.24M", 10_240_000), ("2000", 2000), ("1GiB", 2**30 // 1024),
-    ("2GB", 2 * 10**9 // 1024)])
+    ("2GB", 2 * 10**9 // 1024),
+    # decimal, not binary floating point: 16.016 * 1000 is 16015.999999999998 as floats
+    ("16.016k", 16_016), ("1.001k", 1001), ("64.064k", 64_064), ("2.049kB", 2)])
 def test_capacities_in_tokens_or_bytes(text: str, tokens: int) -> None:
     assert parse_capacity(text, bytes_per_token=1024, field_name="l1") == tokens
+
+
+def test_byte_capacities_are_exact_decimal_multiples() -> None:
+    assert parse_capacity("1.001kB", bytes_per_token=1, field_name="l1") == 1001
+    assert parse_capacity("16.016kB", bytes_per_token=16, field_name="l1") == 1001
+
+
+def test_an_l3_password_is_not_printed() -> None:
+    """The L3 URL shows in the table's header and the JSON: without its user and password,
+    as everywhere else a storage URL is shown."""
+    config = ReplayConfig(spec=MODELS["tiny"], device_tokens=1024, host_tokens=0,
+                          storage="redis://admin:hunter2@cache-host:6379/0?password=hunter3")
+    cache_config = config.cache_config()
+    lag = LagSummary(samples=0, p50_ms=0.0, p99_ms=0.0, max_ms=0.0)
+    result = make_result(config, cache_config, HiCache(cache_config).stats(),
+                         Timing(1.0, lag, lag), 0)
+    shown = format_result(result) + to_json([result])
+    assert "hunter" not in shown and "admin" not in shown
+    assert "cache-host:6379/0" in shown
 
 
 def test_bad_capacity_names_the_option() -> None:
@@ -106,6 +168,16 @@ def test_cli_replay_json_and_sweep_with_plot(tmp_path: object) -> None:
     assert rows[0]["hit_ratio"] <= rows[1]["hit_ratio"]
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_replay_json_of_a_sweep_is_a_list_even_of_one() -> None:
+    """A script reads a sweep's rows the same way whatever the number of capacities."""
+    result = CliRunner().invoke(cli, ["replay", "--limit", "20", "--json", "--model", "tiny",
+                                      "--kv-scale", "1", "--l2", "0", "--l3", "none",
+                                      "--page-size", "16", "--sweep", "50k"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    assert isinstance(rows, list) and [r["device_tokens"] for r in rows] == [50_000]
 
 
 def test_cli_replay_rejects_bad_options_clearly() -> None:
