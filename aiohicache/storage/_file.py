@@ -104,6 +104,8 @@ class FileBackend(_FileUpkeep):
         self._executor: ThreadPoolExecutor | None = None
         self._stats = BackendStats()
         self._start_lock = anyio.Lock()
+        self._merging = anyio.Lock()
+        """Held while the journals are read and merged, and while a compaction is planned."""
         self._started = False
         self._closed = False
 
