@@ -29,6 +29,14 @@ NEVER = 1 << 62
 
 _Entry = tuple[tuple[int, ...], int, Node]
 
+_MIGRATE_STEP = 16
+"""Entries `compact` moves per push or pop: it ends long before the next one is due (that
+takes 3 entries per node pushed)."""
+
+
+def _any_node(node: Node) -> bool:
+    return True
+
 
 class EvictionPolicy:
     """Orders one tier's candidates in lazy min-heaps, one per class: smallest key first.
@@ -49,6 +57,9 @@ class EvictionPolicy:
 
     def __init__(self) -> None:
         self._heaps: list[list[_Entry]] = [[] for _ in range(self.num_classes)]
+        self._old: list[list[_Entry]] | None = None
+        """Heaps being drained into `_heaps` by `compact`, a few entries per push and pop."""
+        self._keep: Callable[[Node], bool] = _any_node
 
     def key(self, node: Node) -> tuple[int, ...]:
         raise NotImplementedError
@@ -69,23 +80,60 @@ class EvictionPolicy:
 
     def push(self, node: Node) -> None:
         heapq.heappush(self._heaps[self.cls(node)], (self.key(node), node.id, node))
+        if self._old is not None:
+            self._migrate()
 
     def pop(self, is_candidate: Callable[[Node], bool]) -> Node | None:
         """The next victim among candidates, or None; stale entries on the way are dropped."""
+        if self._old is not None:
+            self._migrate()
         for c in self.order():
-            heap = self._heaps[c]
-            while heap:
+            while (heap := self._smaller_top(c)) is not None:
                 key, _, node = heapq.heappop(heap)
                 if is_candidate(node) and self._current(node, c, key):
                     return node
         return None
 
+    def _smaller_top(self, c: int) -> list[_Entry] | None:
+        """Class `c`'s heap whose first entry comes first (old or new), None if both empty."""
+        new = self._heaps[c]
+        old = self._old[c] if self._old is not None else None
+        if not old:
+            return new or None
+        return old if not new or old[0][:2] < new[0][:2] else new
+
     def _current(self, node: Node, c: int, key: tuple[int, ...]) -> bool:
         return self.cls(node) == c and key == self.key(node)
 
+    def compact(self, keep: Callable[[Node], bool]) -> None:
+        """Drop the stale entries (and those of nodes not `keep`), a few per push and pop.
+
+        NOTE: at once, walking every node held the loop 193 ms at 100k nodes, recurring
+        under steady traffic. The heaps are set aside as they are and drained from their
+        ends (what stays is still a heap), the current entries pushed into fresh ones;
+        meanwhile `pop` takes the smaller of the two tops, so the order is unchanged.
+        """
+        if self._old is None:
+            self._old, self._keep = self._heaps, keep
+            self._heaps = [[] for _ in range(self.num_classes)]
+
+    def _migrate(self) -> None:
+        assert self._old is not None
+        budget = _MIGRATE_STEP
+        for c, old in enumerate(self._old):
+            while old and budget:
+                budget -= 1
+                key, _, node = entry = old.pop()
+                if self._keep(node) and self._current(node, c, key):
+                    heapq.heappush(self._heaps[c], entry)
+            if not budget:
+                return
+        self._old = None
+
     def rebuild(self, candidates: Iterable[Node]) -> None:
-        """Drop every entry and queue exactly `candidates` (O(n), when stale entries pile up)."""
+        """Drop every entry and queue exactly `candidates` (O(n): a new policy, once)."""
         self._heaps = [[] for _ in range(self.num_classes)]
+        self._old = None
         for node in candidates:
             self._heaps[self.cls(node)].append((self.key(node), node.id, node))
         for heap in self._heaps:
@@ -93,12 +141,17 @@ class EvictionPolicy:
 
     @property
     def num_entries(self) -> int:
-        return sum(map(len, self._heaps))
+        return sum(map(len, self._heaps)) + sum(map(len, self._old or ()))
+
+    @property
+    def compacting(self) -> bool:
+        """Stale entries are being dropped (`compact`)."""
+        return self._old is not None
 
     def queued(self) -> set[int]:
         """Ids of nodes with a current entry (for checks: O(entries))."""
-        return {node.id for c, heap in enumerate(self._heaps)
-                for key, _, node in heap if self._current(node, c, key)}
+        return {node.id for heaps in (self._heaps, self._old or []) for c, heap in
+                enumerate(heaps) for key, _, node in heap if self._current(node, c, key)}
 
     # -- hooks -------------------------------------------------------------------------------
 

@@ -30,8 +30,8 @@ class TreeState:
     tiers, or a pair: device, host) that keeps its candidates in lazy min-heaps, e.g. keyed
     by ``(last_access, id)`` (LRU) or ``(hit_count, last_access, id)`` (LFU). Entries go stale
     when a node's key changes or it stops being a candidate; the policy's `pop` discards
-    those, and the heaps are rebuilt when stale entries outnumber live nodes. Push and pop
-    are O(log n); nothing scans the tree.
+    those, and they are dropped a few per push and pop once stale entries outnumber live
+    nodes (`EvictionPolicy.compact`). Push and pop are O(log n); nothing scans the tree.
     """
 
     def __init__(self, *, page_size: int, device_alloc: PageAllocator,
@@ -175,9 +175,10 @@ class TreeState:
             self._pushes = 0
             if (self.device_policy.num_entries + self.host_policy.num_entries
                     > 4 * self._num_nodes + 1024):
-                self._compact()
+                self.device_policy.compact(self._device_candidate)
+                self.host_policy.compact(self._host_candidate)
 
-    def _compact(self) -> None:
+    def _rebuild(self) -> None:
         nodes = list(self.iter_nodes())
         self.device_policy.rebuild(n for n in nodes if self._device_candidate(n))
         self.host_policy.rebuild(n for n in nodes if self._host_candidate(n))
@@ -195,7 +196,7 @@ class TreeState:
             if policy is not None and policy.counts_pages:
                 for node in self.iter_nodes():
                     policy.on_resident(node, _num(getattr(node, pages)))
-        self._compact()
+        self._rebuild()
 
     def _policies_changed(self) -> None:
         policies = (self.device_policy, self.host_policy)
