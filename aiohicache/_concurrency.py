@@ -71,11 +71,12 @@ def submit_to_thread(executor: Executor, fn: Callable[..., T], *args: object) ->
     bridge = LoopBridge()
 
     def settle(future: Future[T]) -> None:
-        exc = future.exception()
-        if exc is None:
-            promise.set_result(future.result())
-        else:
+        if future.cancelled():  # still queued when the executor shut down (cancel_futures)
+            promise.set_exception(RuntimeError(f"{fn!r} never ran: its executor shut down"))
+        elif (exc := future.exception()) is not None:
             promise.set_exception(exc)
+        else:
+            promise.set_result(future.result())
 
     future = executor.submit(fn, *args)
     future.add_done_callback(lambda f: bridge.call_soon(settle, f))
@@ -177,7 +178,8 @@ class Detached:
 
     `cancel` cancels it; `done` settles when it ends (with its exception, if it raised).
     asyncio runs it as a task; trio as a system task. Its errors go to `done`, never to the
-    loop: a worker's failure is the cache's to report.
+    loop: a worker's failure is the cache's to report. On asyncio a KeyboardInterrupt or
+    SystemExit also stops the loop, as from any task (a trio system task may not raise).
     """
 
     __slots__ = ("_scope", "_task", "done")
@@ -205,6 +207,8 @@ class Detached:
                 await fn(*args)
         except BaseException as exc:  # reported through `done`; see the class docstring
             self.done.set_exception(exc)
+            if isinstance(exc, KeyboardInterrupt | SystemExit) and _on_asyncio():
+                raise
             return
         self.done.set_result(None)
 
@@ -243,15 +247,15 @@ async def finish_then_cancel(aw: Awaitable[T]) -> T:
     if not _on_asyncio():
         with anyio.CancelScope(shield=True):
             result = await aw
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        return result
-    task = asyncio.ensure_future(aw)
-    # The anyio shield keeps anyio scopes from re-delivering their cancellation on every
-    # loop turn; the loop below absorbs native cancellations, which the shield does not stop.
-    with anyio.CancelScope(shield=True):
-        result, cancelled = await _await_through_cancels(task)
-    if cancelled:
-        raise asyncio.CancelledError
+    else:
+        # The anyio shield keeps anyio scopes from re-delivering their cancellation on every
+        # loop turn; the loop below absorbs native cancellations, which the shield does not
+        # stop.
+        with anyio.CancelScope(shield=True):
+            result, cancelled = await _await_through_cancels(asyncio.ensure_future(aw))
+        if cancelled:
+            raise asyncio.CancelledError
+    await anyio.lowlevel.checkpoint_if_cancelled()  # an anyio scope's, held back until now
     return result
 
 

@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Final, Self, TypeVar
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 from .._concurrency import finish_then_cancel
@@ -261,22 +262,34 @@ class FileBackend(_FileUpkeep):
         """Journal the recency of pages read, seal the active segments and stop the I/O
         threads, after the operations in flight (idempotent).
 
-        Cancellation: the threads are stopped first, then the cancellation propagates.
+        Cancellation: every step runs first (the threads stopped, the files closed), then
+        the cancellation propagates.
         """
         if self._closed:
             return
-        if self._executor is not None and self._started:
+        # NOTE: shielded as a whole: cancelled between two steps, the close skipped the rest
+        # (the threads ran on, the segment files stayed open)
+        with anyio.CancelScope(shield=True):
             try:
-                await finish_then_cancel(self._flush_touches(force=True))
-                await finish_then_cancel(self._in_thread(self._appender.close))
-            except OSError as exc:  # the store went away: nothing more to keep
-                logger.debug("storage: closing %s: %s", self.root_dir, exc)
-        self._closed = True
+                await self._seal()
+            finally:
+                self._closed = True
+                try:
+                    if self._executor is not None:
+                        await anyio.to_thread.run_sync(self._executor.shutdown)
+                finally:
+                    self._files.close()
+        await anyio.lowlevel.checkpoint_if_cancelled()
+
+    async def _seal(self) -> None:
+        """Journal the touches and seal the lanes (the store may be gone: then nothing)."""
+        if self._executor is None or not self._started:
+            return
         try:
-            if self._executor is not None:
-                await finish_then_cancel(anyio.to_thread.run_sync(self._executor.shutdown))
-        finally:
-            self._files.close()
+            await self._flush_touches(force=True)
+            await self._in_thread(self._appender.close)
+        except OSError as exc:  # the store went away: nothing more to keep
+            logger.debug("storage: closing %s: %s", self.root_dir, exc)
 
     # ---------------------------------------------------------------------------- runs of pages
 

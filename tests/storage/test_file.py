@@ -520,6 +520,35 @@ async def test_an_unclosed_backend_warns(tmp_path: Path) -> None:
     executor.shutdown()
 
 
+@pytest.mark.parametrize("how", ["scope", "task"])
+async def test_a_cancelled_close_still_stops_the_threads_and_closes_the_files(
+        tmp_path: Path, how: str) -> None:
+    """Cancelled between two of its steps, `aclose` skipped the rest: the I/O threads ran
+    on and the segment files stayed open (a review)."""
+    keys = make_keys(4)
+    backend = FileBackend(tmp_path, FMT, max_concurrency=1)
+    await backend.set_from(keys, pages(keys))
+    assert await backend.get_into(keys, [memoryview(bytearray(PAYLOAD)) for _ in keys])
+    executor, raised = backend._executor, False
+    try:
+        with anyio.CancelScope() as scope:
+            if how == "task":
+                asyncio.current_task().cancel()  # type: ignore[union-attr]
+            else:
+                scope.cancel()
+            try:
+                await backend.aclose()
+            except anyio.get_cancelled_exc_class():
+                raised = True
+                raise
+    except asyncio.CancelledError:
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+    assert raised  # the cancellation propagates, after the close
+    assert backend._closed and executor is not None and executor._shutdown
+    assert not backend._files._fds  # the segments it read are closed
+    await backend.aclose()  # idempotent
+
+
 async def test_repr_shows_objects_and_budget(tmp_path: Path) -> None:
     keys = make_keys(2)
     async with FileBackend(tmp_path, FMT, capacity_bytes=10 * OBJECT) as backend:
