@@ -276,7 +276,8 @@ def quiet_runtime(switch_interval: float = SWITCH_INTERVAL) -> Iterator[None]:
     (`docs/performance.md`); restored on exit.
 
     - ``gc.freeze()`` after one collection: otherwise each full collection walks every object
-      torch and numpy made at import (about 70-130 ms on a 2-core VM);
+      torch and numpy made at import (about 70-130 ms on a 2-core VM); not if the process
+      froze objects before (its freeze is left as it is);
     - ``sys.setswitchinterval(switch_interval)``: every GIL release on the loop thread (a
       torch call, a large hash, a read) lets a worker thread running Python (the file store,
       the copy threads' page bookkeeping) keep the GIL for up to this long before the loop
@@ -286,8 +287,12 @@ def quiet_runtime(switch_interval: float = SWITCH_INTERVAL) -> Iterator[None]:
       10-70 ms; young generations are still collected, and one full collection runs on exit.
     """
     old_switch, old_threshold = sys.getswitchinterval(), gc.get_threshold()
-    gc.collect()
-    gc.freeze()
+    # NOTE: gc has one frozen set: unfreezing it on exit would also undo a freeze the
+    # process made before (a server's, after its start-up), so that one is left as it is
+    ours = gc.get_freeze_count() == 0
+    if ours:
+        gc.collect()
+        gc.freeze()
     sys.setswitchinterval(switch_interval)
     gc.set_threshold(old_threshold[0], old_threshold[1], 1 << 30)
     try:
@@ -295,7 +300,8 @@ def quiet_runtime(switch_interval: float = SWITCH_INTERVAL) -> Iterator[None]:
     finally:
         sys.setswitchinterval(old_switch)
         gc.set_threshold(*old_threshold)
-        gc.unfreeze()
+        if ours:
+            gc.unfreeze()
         gc.collect()
 
 

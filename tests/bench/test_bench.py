@@ -198,6 +198,19 @@ def test_quiet_runtime_restores_the_process_settings() -> None:
     assert gc.get_freeze_count() == 0
 
 
+def test_quiet_runtime_leaves_a_freeze_made_before_it_frozen() -> None:
+    """On exit it unfroze every object, also those a server had frozen after start-up:
+    their next full collections walked them all again (a review)."""
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with quiet_runtime():
+            pass
+        assert gc.get_freeze_count() >= frozen > 0
+    finally:
+        gc.unfreeze()
+
+
 def test_gc_pauses_records_collections() -> None:
     with GcPauses() as pauses:
         gc.collect()
