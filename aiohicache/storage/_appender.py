@@ -144,7 +144,7 @@ class Appender:
         if old is not None:
             old.sealed = True
             self._lanes.remove(old)
-            if not old.end and old.logged:
+            if not old.end and old.logged and os.fstat(old.seg_fd).st_nlink:  # not removed
                 self._emptied.append(old.seg_id)
             _close_segment(old)  # idle: nobody appends to it
         self._lanes.append(new)

@@ -55,6 +55,9 @@ class SegmentIndex:
         """Segments this instance is compacting: a look at the journals that finds them gone
         leaves their keys bound (`repoint` moves them)."""
         self.gone: OrderedDict[int, None] = OrderedDict()
+        self.emptied: set[int] = set()
+        """Segments this instance sealed holding a journal and no record: garbage once
+        compacted (another instance's size-0 segment may be its active lane: never tried)."""
         self._on_drop = on_drop
 
     def __contains__(self, key: str) -> bool:
@@ -170,15 +173,6 @@ class SegmentIndex:
             self.apply(entry)
         return torn
 
-    def adopt(self, other: SegmentIndex) -> None:
-        """Take the state of `other`, an index built off the loop (at start, when nothing
-        else uses this one): O(1), the loop's share of a start."""
-        self.budget.sizes, self.budget.used_bytes = other.budget.sizes, other.budget.used_bytes
-        self.entries, self.keys_of, self.deleted = other.entries, other.keys_of, other.deleted
-        self.live, self.sizes, self.read_to = other.live, other.sizes, other.read_to
-        self.last_stamp = max(self.last_stamp, other.last_stamp)
-        self.may_compact = self.may_compact or other.may_compact
-
     def merge_segments(self, scan: JournalScan, before: set[int], newest: int) -> None:
         """Begin merging what other processes journaled since the last look: the segments
         (those of `before`, known when the look began, that are gone were compacted or
@@ -205,15 +199,26 @@ class SegmentIndex:
         self.sizes.pop(seg_id, None)
         self.live.pop(seg_id, None)
         self.read_to.pop(seg_id, None)
+        self.emptied.discard(seg_id)
+
+    def add_emptied(self, seg_ids: Iterable[int]) -> bool:
+        """Note segments this instance sealed holding only a journal; True if any."""
+        added = False
+        for seg_id in seg_ids:
+            if seg_id not in self.gone:
+                self.sizes.setdefault(seg_id, 0)
+                self.emptied.add(seg_id)
+                self.may_compact = added = True
+        return added
 
     def pick_victim(self, skip: Callable[[int], bool], dead_fraction: float, *,
                     empty_only: bool = False) -> int | None:
         """The segment with the most dead bytes, if at least `dead_fraction` of it is dead
-        and not `skip(seg_id)`; else one that holds no record, only a journal (least
-        urgent: a few MiB of entries). `empty_only`: only such a one."""
+        and not `skip(seg_id)`; else one of `emptied` (least urgent: a few MiB of
+        entries). `empty_only`: only one of those."""
         best, most = None, 0
         for seg_id, size in self.sizes.items():
-            dead = size - self.live.get(seg_id, 0) if size else 1
+            dead = size - self.live.get(seg_id, 0) if size else int(seg_id in self.emptied)
             if dead <= 0 or dead < dead_fraction * size or dead <= most or skip(seg_id) or \
                     (empty_only and size):
                 continue

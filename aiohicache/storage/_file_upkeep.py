@@ -87,7 +87,7 @@ class _FileUpkeep:
             # the loop 3.3 s (every caller awaits the start, so nothing else uses the index)
             index = SegmentIndex(self._budget.capacity_bytes, on_drop=self._files.drop)
             orphans, torn, deletes = await self._in_thread(_scan_dir, self.root_dir, index)
-            self._index.adopt(index)
+            self._index, self._budget = index, index.budget  # nothing used the old one yet
             self._stats.extra["torn_entries"] = torn
             await self._in_thread(self._appender.log, deletes)
         except OSError as exc:
@@ -108,9 +108,14 @@ class _FileUpkeep:
         """Read what other processes journaled since the last look (at most every
         `refresh_interval`, unless `force`)."""
         now = time.monotonic()
-        if not force and (now - self._last_refresh < self.refresh_interval
-                          or self._merging.locked()):  # a look is under way
+        if not force and now - self._last_refresh < self.refresh_interval:
             return
+        if not force and self._merging.locked():
+            # NOTE: a look under way: wait for its merge, which may hold what the caller
+            # asks for (a delete that went on unmerged deleted nothing, and the merge then
+            # bound the other process's record)
+            async with self._merging:
+                return
         async with self._merging:
             self._last_refresh = time.monotonic()
             before = set(self._index.sizes)  # a segment made during the scan is not gone
@@ -150,11 +155,8 @@ class _FileUpkeep:
 
         Cancellation: the compaction in flight completes, then the cancellation propagates.
         """
-        for seg_id in self._appender.take_emptied():
-            if seg_id not in self._index.gone:
-                self._index.sizes.setdefault(seg_id, 0)
-                self._index.may_compact = True
-        if not self._index.may_compact:
+        emptied = self._index.add_emptied(self._appender.take_emptied())
+        if not self._index.may_compact or (empty_only and not emptied):
             return
         self._index.may_compact = empty_only  # NOTE: a dead record still wants a look
         active, now = self._appender.active_ids(), time.monotonic()

@@ -267,8 +267,9 @@ class RedisBackend:
                 blobs += await self._mget(names[lo:hi])
             payloads = await self._off_loop(len(blobs), verify, self.fmt, keys, blobs)
             await self._remove_rejected(names, blobs, payloads)
-        filled = await self._off_loop(len(views), copy_payloads, payloads, views)
-        self._count_reads(blobs, filled)
+        num_absent = blobs.count(None)
+        filled = await self._off_loop(len(views), copy_payloads, payloads, views, blobs)
+        self._count_reads(len(filled), num_absent, sum(filled))
         return filled
 
     async def set_from(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
@@ -413,14 +414,12 @@ class RedisBackend:
         log.debug("redis %s: deleted %d rejected objects", self.url,
                   len(rejected) - len(failed))
 
-    def _count_reads(self, blobs: list[Blob], filled: list[bool]) -> None:
+    def _count_reads(self, num_pages: int, num_absent: int, num_filled: int) -> None:
         s = self._stats
-        num_filled = sum(filled)
-        num_absent = sum(blob is None for blob in blobs)
         s.pages_read += num_filled
         s.bytes_read += num_filled * self.fmt.payload_bytes
         s.misses += num_absent
-        s.corrupt += len(blobs) - num_filled - num_absent
+        s.corrupt += num_pages - num_filled - num_absent
 
 
 def _sha1_hex(blobs: list[bytes]) -> list[str]:

@@ -242,10 +242,15 @@ class RedisClusterBackend(RedisBackend):
         Cancellation: keys of the pipelines in flight may or may not be removed.
         """
         names = self._names(keys)
+        removed = 0
         with self._translate(StorageWriteError, "delete"):
-            replies = await self._pipelined(names, lambda pipe, name, _: pipe.delete(name),
-                                            raise_on_error=False)
-        removed = sum(reply for reply in replies if isinstance(reply, int))
+            # NOTE: `max_batch` names a round, as the other calls: 10k DELs in one round held
+            # the loop about 170 ms (building, sending and parsing every node's pipeline)
+            for lo in range(0, len(names), self.max_batch):
+                replies = await self._pipelined(names[lo:lo + self.max_batch],
+                                                lambda pipe, name, _: pipe.delete(name),
+                                                raise_on_error=False)
+                removed += sum(reply for reply in replies if isinstance(reply, int))
         self._stats.pages_deleted += removed
         return removed
 

@@ -35,12 +35,21 @@ def verify(fmt: PageFormat, keys: Sequence[str],
     return [decode_page(fmt, key, blob) for key, blob in zip(keys, blobs, strict=True)]
 
 
-def copy_payloads(payloads: list[memoryview | None], views: list[memoryview]) -> list[bool]:
-    """Copy each payload into its view; True where there was one."""
+def copy_payloads(payloads: list[memoryview | None], views: list[memoryview],
+                  blobs: list[Blob]) -> list[bool]:
+    """Copy each payload into its view; True where there was one. Then empty `payloads` and
+    `blobs` (the objects fetched): the caller holds no reference left to them.
+
+    NOTE: freeing them is the last reference dropped, on this thread: 10k objects of 64 KiB
+    freed on the loop when the call returned held it 9-14 ms.
+    """
     for payload, view in zip(payloads, views, strict=True):
         if payload is not None:
             np.copyto(np.frombuffer(view, np.uint8), np.frombuffer(payload, np.uint8))
-    return [payload is not None for payload in payloads]
+    filled = [payload is not None for payload in payloads]
+    payloads.clear()
+    blobs.clear()
+    return filled
 
 
 def encode_objects(fmt: PageFormat, keys: Sequence[str],

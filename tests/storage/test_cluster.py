@@ -79,6 +79,26 @@ async def test_a_batch_is_split_per_node_and_served_from_every_primary(
         assert backend.stats().extra["used_bytes"] > 0
 
 
+async def test_a_large_delete_goes_out_max_batch_keys_a_round(cluster: LocalCluster) -> None:
+    """A cluster's delete built, sent and parsed every key's DEL in one round: 10k keys held
+    the event loop about 170 ms."""
+    keys = make_keys(40, seed=12)
+    async with RedisClusterBackend(cluster.url(), FMT, max_batch=8) as backend:
+        assert await backend.set_from(keys, pages(keys)) == [True] * 40
+        before = backend.stats().extra["commands"]
+        rounds: list[int] = []
+        pipelined = backend._pipelined
+
+        async def counted(names: list[str], *args: object, **kwargs: object) -> list[object]:
+            rounds.append(len(names))
+            return await pipelined(names, *args, **kwargs)  # type: ignore[arg-type]
+
+        backend._pipelined = counted  # type: ignore[method-assign]
+        assert await backend.delete(keys) == 40
+        assert rounds == [8] * 5 and backend.stats().extra["commands"] - before == 40
+        assert await backend.exists(keys) == 0
+
+
 def _slot_owner(cluster: LocalCluster, slot: int) -> int:
     with node(cluster.primaries()[0].port) as client:
         for start, end, primary, *_ in client.execute_command("CLUSTER SLOTS"):

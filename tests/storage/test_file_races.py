@@ -385,3 +385,27 @@ async def test_a_read_mostly_store_keeps_its_journals_bounded(tmp_path: Path) ->
         assert journal_bytes(tmp_path) <= records + 3 * lane
         assert len(segments(tmp_path)) <= 3
     assert await served_after_restart(tmp_path, keys) == written(keys)
+
+
+async def test_another_instances_journal_only_lane_is_not_tried_for_compaction(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every segment of size 0 was taken for garbage: a reader's active lane (touches, no
+    record) was tried for compaction by the other instances at every chance, each try a
+    thread hop and a failed lock (a review). Only a lane this instance sealed is tried."""
+    keys = make_keys(_TOUCH_FLUSH, seed=33)
+    tried: list[int] = []
+    real = _appender.lock_segment
+
+    def lock_segment(root: str, seg_id: int, known: int) -> Any:
+        tried.append(seg_id)
+        return real(root, seg_id, known)
+    async with FileBackend(tmp_path, FMT, refresh_interval=0.0) as writer, \
+            FileBackend(tmp_path, FMT, refresh_interval=0.0) as reader:
+        await writer.set_from(keys, pages(keys))
+        assert await read(reader, keys) == written(keys)  # journals its touches: a lane
+        lanes = reader._appender.active_ids()
+        assert lanes and all(reader._index.sizes.get(s, 0) == 0 for s in lanes)
+        monkeypatch.setattr(_appender, "lock_segment", lock_segment)
+        assert await writer.exists(make_keys(1, seed=34)) == 0  # a look: learns the lane
+        assert await writer.delete(keys[:1]) == 1  # a chance to compact
+        assert not set(tried) & lanes

@@ -12,9 +12,10 @@ import asyncio
 import gc
 import logging
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -324,6 +325,38 @@ async def test_batches_above_inline_bytes_are_copied_off_the_loop(redis_url: str
         assert await b.set_from(keys, pages) == [True] * 40
         assert await b.get_into(keys, bufs) == [True] * 40
     assert all(bytes(x) == bytes(p) for x, p in zip(bufs, pages, strict=True))
+
+
+class _Tracked(bytes):
+    """A fetched object that records the thread that freed it."""
+
+    freed_on: ClassVar[list[str]] = []
+
+    def __del__(self) -> None:
+        self.freed_on.append(threading.current_thread().name)
+
+
+async def test_objects_of_a_batch_above_inline_bytes_are_freed_off_the_loop(
+        redis_url: str) -> None:
+    """The fetched objects were freed on the loop when `get_into` returned: 10k objects of
+    64 KiB held it 9-14 ms."""
+    keys, pages, bufs = make_keys(40), make_pages(40), make_buffers(40)
+    async with RedisBackend(redis_url, FMT, inline_bytes=0) as b:
+        assert await b.set_from(keys, pages) == [True] * 40
+        mget = b._mget
+
+        async def tracked(names: list[str]) -> list[bytes | None]:
+            return [None if blob is None else _Tracked(blob) for blob in await mget(names)]
+
+        b._mget = tracked  # type: ignore[method-assign]
+        _Tracked.freed_on.clear()
+        assert await b.get_into([*keys, "ff" * 16], [*bufs, *make_buffers(1)]) == \
+            [True] * 40 + [False]
+        gc.collect()
+    assert len(_Tracked.freed_on) == 40
+    assert threading.main_thread().name not in _Tracked.freed_on
+    assert all(bytes(x) == bytes(p) for x, p in zip(bufs, pages, strict=True))
+    assert b.stats().pages_read == 40 and b.stats().misses == 1
 
 
 async def test_concurrent_callers_share_a_bounded_pool(redis_url: str) -> None:
