@@ -117,11 +117,11 @@ async def running_server(engine: Engine, host: str = "127.0.0.1", port: int = 0,
     try:
         yield await _listen(runner, host, port)
     finally:
-        # NOTE: through `finish_then_cancel`: the stop runs to the end whatever cancels this
-        # task, and in a task of its own, which aiohttp's shutdown needs: run by a task being
+        # NOTE: in a task of its own, which aiohttp's shutdown needs: run by a task being
         # cancelled (as this one usually is), it re-raises its timeout where it would go on
-        # to cancel the handlers and close the connections.
-        await finish_then_cancel(_stop(runner, app[_IN_FLIGHT], grace))
+        # to cancel the handlers and close the connections; through `finish_then_cancel`,
+        # so it runs to the end whatever cancels this task. (aiohttp is asyncio-only.)
+        await finish_then_cancel(asyncio.ensure_future(_stop(runner, app[_IN_FLIGHT], grace)))
 
 
 async def serve(engine: Engine, host: str, port: int, *, on_ready: Any = None,

@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -310,7 +311,7 @@ async def test_a_cancelled_serve_unwinds_its_requests_before_the_cache_closes(
 
 
 async def test_shutdown_lets_requests_finish_for_the_timeout_then_cancels_the_rest() -> None:
-    eng, server, grace = SlowEngine(0.01), Served(), 1.0
+    eng, server, grace = SlowEngine(0.01), Served(), 3.0  # 8 tokens: ~0.1 s, loaded CI
     async with anyio.create_task_group() as tg, aiohttp.ClientSession() as session:
         tg.start_soon(functools.partial(server.run, eng, shutdown_timeout=grace))
         await server.listening.wait()
@@ -326,7 +327,7 @@ async def test_shutdown_lets_requests_finish_for_the_timeout_then_cancels_the_re
         took = time.perf_counter() - start
         await endless.aclose()
     assert len(rest) == 8 and rest[-1] == "[DONE]"
-    assert grace <= took < grace + 3  # the endless stream was cancelled once the grace ran out
+    assert grace <= took < grace + 5  # the endless stream was cancelled once the grace ran out
     assert eng.in_use_at_close == (0, 0)
 
 
@@ -428,7 +429,8 @@ def busy_port() -> Iterator[int]:
 
 @pytest.mark.parametrize("where, reason", [
     ("busy", "Address already in use"),
-    ("no-such-host.invalid", "Name or service not known"),
+    # NOTE: without DNS the resolver says "Temporary failure in name resolution"
+    ("no-such-host.invalid", "(Name or service not known|Temporary failure in name resolution)"),
 ], ids=["busy-port", "unknown-host"])
 def test_the_serve_command_says_in_one_line_why_it_cannot_listen(
         where: str, reason: str, busy_port: int) -> None:
@@ -436,4 +438,5 @@ def test_the_serve_command_says_in_one_line_why_it_cannot_listen(
     result = CliRunner().invoke(cli, ["serve", "--host", host, "--port", str(port),
                                       "--l1", "256", "--l2", "0"])
     assert result.exit_code == 1, result.exception
-    assert result.output == f"Error: cannot listen on {host}:{port}: {reason}\n"
+    assert re.fullmatch(f"Error: cannot listen on {re.escape(host)}:{port}: {reason}\n",
+                        result.output), result.output
