@@ -34,10 +34,6 @@ _MIGRATE_STEP = 16
 takes 3 entries per node pushed)."""
 
 
-def _any_node(node: Node) -> bool:
-    return True
-
-
 class EvictionPolicy:
     """Orders one tier's candidates in lazy min-heaps, one per class: smallest key first.
 
@@ -59,7 +55,8 @@ class EvictionPolicy:
         self._heaps: list[list[_Entry]] = [[] for _ in range(self.num_classes)]
         self._old: list[list[_Entry]] | None = None
         """Heaps being drained into `_heaps` by `compact`, a few entries per push and pop."""
-        self._keep: Callable[[Node], bool] = _any_node
+        self._keep: Callable[[Node], bool] | None = None
+        """While `_old` is set: whether a node's entries are kept."""
 
     def key(self, node: Node) -> tuple[int, ...]:
         raise NotImplementedError
@@ -118,13 +115,13 @@ class EvictionPolicy:
             self._heaps = [[] for _ in range(self.num_classes)]
 
     def _migrate(self) -> None:
-        assert self._old is not None
-        budget = _MIGRATE_STEP
+        assert self._old is not None and self._keep is not None
+        keep, budget = self._keep, _MIGRATE_STEP
         for c, old in enumerate(self._old):
             while old and budget:
                 budget -= 1
                 key, _, node = entry = old.pop()
-                if self._keep(node) and self._current(node, c, key):
+                if keep(node) and self._current(node, c, key):
                     heapq.heappush(self._heaps[c], entry)
             if not budget:
                 return
