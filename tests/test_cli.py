@@ -8,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import anyio
 import matplotlib.axes
 import matplotlib.figure
 import pytest
@@ -190,3 +191,17 @@ def test_bench_redis_without_redis_server_says_so(tmp_path: Path,
     monkeypatch.setenv("PATH", str(tmp_path))
     line = _error_line(["bench", "redis", "--quick"], exit_code=1)
     assert "'redis-server' not found on PATH" in line
+
+
+def test_the_l3_check_does_not_read_a_file_stores_journals(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It opened the store, reading every journal (seconds for a big store, again for the
+    replay, and past the check's 10 s for a very big one)."""
+    from aiohicache import _cli_replay
+    from aiohicache.storage import _journal
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("read the journals")
+    monkeypatch.setattr(_journal, "read_journals", refuse)
+    anyio.run(_cli_replay._check_l3, f"file://{tmp_path}/store")
+    assert (tmp_path / "store").is_dir()
