@@ -247,7 +247,7 @@ class SegmentIndex:
         # fill the next journal as fast, so they go with it (its deletes are carried)
         touches = self.sizes.get(victim, 0) > 0
         keep = [e for e in log if (touches or e.kind != TOUCH) and self._still_says(e, victim)]
-        return moves, keep
+        return moves, _last_touches(keep)
 
     def _still_says(self, entry: Entry, victim: int) -> bool:
         """Whether `entry`, of the victim's journal, must outlive it: a delete that still
@@ -284,3 +284,13 @@ class SegmentIndex:
 
 def _same_record(a: Entry, b: Entry) -> bool:
     return a.seg_id == b.seg_id and a.offset == b.offset
+
+
+def _last_touches(entries: list[Entry]) -> list[Entry]:
+    """`entries` less the touches of a key that a later touch of it outranks (only the last
+    orders it: a key read 40 times was carried 40 times)."""
+    last: dict[str, int] = {}
+    for i, e in enumerate(entries):
+        if e.kind == TOUCH and (e.key not in last or entries[last[e.key]].stamp <= e.stamp):
+            last[e.key] = i
+    return [e for i, e in enumerate(entries) if e.kind != TOUCH or last[e.key] == i]

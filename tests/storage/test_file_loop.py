@@ -19,7 +19,7 @@ import pytest
 
 from aiohicache.storage import FileBackend, _file_index, _file_upkeep
 from aiohicache.storage._file_index import SegmentIndex
-from aiohicache.storage._journal import DELETE, PUT, Entry
+from aiohicache.storage._journal import DELETE, PUT, TOUCH, Entry
 
 from .conftest import FMT, make_keys
 from .test_file_sharing import pages, read, written
@@ -137,3 +137,15 @@ async def test_a_delete_made_during_a_merge_is_not_lost(
         assert await reader.exists(keys[:1]) == 0
     async with FileBackend(tmp_path, FMT) as fresh:
         assert await fresh.exists(keys[:1]) == 0
+
+
+def test_a_compaction_carries_one_touch_per_key() -> None:
+    """Every touch of a live key in the victim's journal was carried: a key read 40 times
+    was journaled again 40 times (a review). Only its latest touch orders it."""
+    index = _index_of(segments=2, per=4)
+    key = "key-000000000000"  # in segment 0; the victim is segment 1
+    live = index.entries[key]
+    touches = [Entry(key, TOUCH, live.seg_id, live.offset, live.length, stamp)
+               for stamp in (50, 70, 60)]
+    moves, keep = index.compaction_plan(1, touches, [])
+    assert len(moves) == 4 and keep == [touches[1]]
