@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import anyio.lowlevel
 
+from ._events_snapshot import Snapshot
 from ._events_stream import (
     AllBlocksCleared,
     BlockRemoved,
@@ -71,7 +72,8 @@ class _Hub:
             if self._storage is not None:
                 self._storage.on_stored.append(self._on_stored)
         if snapshot:
-            stream._offer(EventBatch(seq=-1, ts=time.time(), events=self._snapshot()))
+            stream._offer(Snapshot(self._tree.root, root=self._root, page_size=self._ps,
+                                   known=self._known, remember=self._remember))
         return stream
 
     def unsubscribe(self, stream: EventStream) -> None:
@@ -187,16 +189,10 @@ class _Hub:
             return None
         return self._node_keys(parent)[-1]
 
-    def _snapshot(self) -> list[KVEvent]:
-        """BlockStored events for everything the tiers hold now (parents first)."""
-        events: list[KVEvent] = []
-        for node in self._tree.iter_nodes():
-            for tier, present in (("device", node.on_device), ("host", node.on_host)):
-                if present:
-                    events.append(BlockStored(self._node_keys(node), self._parent_key(node),
-                                              node.key.tolist(), self._ps,
-                                              "device" if tier == "device" else "host"))
-        return events
+    def _remember(self, node: Node, keys: list[bytes]) -> None:
+        """Cache keys a snapshot computed, for a node whose changes still get events."""
+        if self._attached and node.alive and node.id not in self._keys:
+            self._keys[node.id] = keys
 
 
 def hub_of(cache: HiCache) -> _Hub:

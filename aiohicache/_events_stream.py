@@ -8,6 +8,7 @@ from types import TracebackType
 from typing import Literal, Protocol, Self
 
 import anyio
+import anyio.lowlevel
 
 __all__ = ("AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch", "EventStream",
            "KVEvent", "Medium")
@@ -21,6 +22,14 @@ class _Publisher(Protocol):
     def flush(self) -> None: ...
 
     def unsubscribe(self, stream: EventStream) -> None: ...
+
+
+class _Pending(Protocol):
+    """A first batch still being computed (the snapshot): a step at a time, or all at once."""
+
+    def step(self) -> EventBatch | None: ...
+
+    def finish(self) -> EventBatch: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,12 +92,12 @@ class EventStream:
     def __init__(self, hub: _Publisher, max_batches: int) -> None:
         self._hub = hub
         self._max = max_batches
-        self._queue: deque[EventBatch] = deque()
+        self._queue: deque[EventBatch | _Pending] = deque()
         self._waiter: anyio.Event | None = None
         self._closed = False
         self.dropped = 0
 
-    def _offer(self, batch: EventBatch) -> None:
+    def _offer(self, batch: EventBatch | _Pending) -> None:
         if len(self._queue) >= self._max:
             self.dropped += 1
             return
@@ -112,19 +121,33 @@ class EventStream:
     async def __anext__(self) -> EventBatch:
         """The next batch; ends once the cache closed (after its last batch) or `aclose`.
 
-        Cancellation: only the wait stops; no batch is lost.
+        A snapshot is computed here, a step at a time, yielding to the loop between steps.
+
+        Cancellation: only the wait stops; no batch is lost (a snapshot keeps its progress).
         """
-        while not self._queue:
-            if self._closed:
-                raise StopAsyncIteration
-            if self._waiter is None:
-                self._waiter = anyio.Event()
-            await self._waiter.wait()
-        return self._queue.popleft()
+        while True:
+            while not self._queue:
+                if self._closed:
+                    raise StopAsyncIteration
+                if self._waiter is None:
+                    self._waiter = anyio.Event()
+                await self._waiter.wait()
+            head = self._queue[0]
+            if isinstance(head, EventBatch):
+                self._queue.popleft()
+                return head
+            if (batch := head.step()) is not None:
+                self._queue.popleft()
+                return batch
+            await anyio.lowlevel.checkpoint()  # NOTE: the head may be gone after (get_nowait)
 
     def get_nowait(self) -> EventBatch | None:
-        """The next queued batch, or None."""
-        return self._queue.popleft() if self._queue else None
+        """The next queued batch, or None. A snapshot not computed yet is finished here, at
+        once (O(tokens the tiers hold) on the caller's thread; iterate to spread it out)."""
+        if not self._queue:
+            return None
+        head = self._queue.popleft()
+        return head if isinstance(head, EventBatch) else head.finish()
 
     async def aclose(self) -> None:
         """Unsubscribe; the changes made until now still arrive, then the stream ends.
