@@ -116,24 +116,46 @@ def read_journals(root: str, read_to: dict[int, int],
         OSError: the directory cannot be listed (a missing one is made).
     """
     os.makedirs(root, exist_ok=True)
-    scan = JournalScan()
-    for log_id in _list(root):
+    scan, known = JournalScan(), dict(read_to)
+    for _ in range(_PASSES):
+        logs = _read_pass(root, known, skip, scan)
+        # NOTE: sized after the journals are read: an entry is written after its record, so
+        # every record an entry read names lies inside its segment's size now (sized first,
+        # a record landing meanwhile looked torn, and its entry, already read past, was lost)
+        scan.segments = {}
+        _list(root, scan.segments)
+        # NOTE: a segment whose journal this pass listed, gone now, was compacted meanwhile:
+        # its moves went to a journal read before they were appended, or to a new one, so
+        # its keys were dropped until a later look (at a start, older versions bound). Read
+        # on (entries already read are not read again) until no segment went meanwhile.
+        if all(log_id in scan.segments for log_id in logs):
+            break
+    return scan
+
+
+_PASSES = 4
+"""Reads of the journals a look makes at most while compactions remove segments under it."""
+
+
+def _read_pass(root: str, known: dict[int, int], skip: frozenset[int],
+               scan: JournalScan) -> list[int]:
+    """Read every journal under `root` past `known` into `scan` (advancing `known`); the
+    journal ids listed."""
+    logs = _list(root)
+    scan.read_to = {}
+    for log_id in logs:
+        start = known.get(log_id, 0)
         if log_id in skip:
-            scan.read_to[log_id] = read_to.get(log_id, 0)
+            scan.read_to[log_id] = start
             continue
-        start = read_to.get(log_id, 0)
         data = _read_from(segment_path(root, log_id, "log"), start)
         if data is None:
             continue  # removed meanwhile
         whole = len(data) - len(data) % ENTRY_SIZE
-        scan.read_to[log_id] = start + whole
+        scan.read_to[log_id] = known[log_id] = start + whole
         if whole:
             scan.entries.append((log_id, unpack_entries(memoryview(data)[:whole])))
-    # NOTE: sized after the journals are read: an entry is written after its record, so
-    # every record an entry read names lies inside its segment's size now (sized first,
-    # a record landing meanwhile looked torn, and its entry, already read past, was lost)
-    _list(root, scan.segments)
-    return scan
+    return logs
 
 
 def _list(root: str, segments: dict[int, int] | None = None) -> list[int]:

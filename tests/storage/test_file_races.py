@@ -409,3 +409,36 @@ async def test_another_instances_journal_only_lane_is_not_tried_for_compaction(
         assert await writer.exists(make_keys(1, seed=34)) == 0  # a look: learns the lane
         assert await writer.delete(keys[:1]) == 1  # a chance to compact
         assert not set(tried) & lanes
+
+
+async def test_a_compaction_between_reading_the_journals_and_listing_the_segments_loses_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A look reads the journals, then lists the segments. Another instance compacting in
+    between journaled its moves where the look had read already, then removed the victim:
+    the look dropped the victim's keys, and their moves came only with a later look (a
+    stress found pages lost, and older versions served at a start)."""
+    xs = make_keys(8, seed=35)
+    async with FileBackend(tmp_path, FMT) as a, \
+            FileBackend(tmp_path, FMT, refresh_interval=0.0) as b:
+        await a.set_from(xs, pages(xs))
+        a._appender.close()  # sealed: compactable
+        assert await b.exists(xs) == 8
+        victim = a._index.entries[xs[0]].seg_id
+        locked = _appender.lock_segment(str(tmp_path), victim, 1 << 62)
+        assert locked is not None
+        fd, (log, unseen) = locked
+        moves, keep = a._index.compaction_plan(victim, log, unseen)
+        real_list, armed = seg._list, [True]
+
+        def list_after_a_compaction(root: str, segments: Any = None) -> list[int]:
+            if segments is not None and armed.pop() if armed else False:
+                _appender.compact(a._appender, fd, victim, moves, keep)
+            return real_list(root, segments)
+        monkeypatch.setattr(seg, "_list", list_after_a_compaction)
+        try:
+            assert await b.exists(make_keys(1, seed=36)) == 0  # a look, A compacting
+        finally:
+            os.close(fd)
+        assert not armed and not (tmp_path / f"{victim:016x}.seg").exists()
+        assert all(x in b._index for x in xs)  # moved, not dropped until another look
+        assert await read(b, xs) == written(xs)
