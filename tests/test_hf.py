@@ -187,15 +187,23 @@ async def test_a_prompt_cached_whole_recomputes_only_its_last_token(
         assert cache.stats().device_pages_leased == 0
 
 
+async def prefill_and_decode(adapter: HFAdapter, hit: Any, prompt: list[int], *,
+                             steps: int) -> tuple[Any, list[int]]:
+    """Prefill `prompt` through `hit`, then decode greedily `steps` tokens: the prefill's
+    output and the sequence (the prompt, the first token, the decoded ones)."""
+    out = await adapter.prefill(hit, prompt)
+    seq = [*prompt, int(out.logits[0, -1].argmax())]
+    for _ in range(steps):
+        seq.append(int((await adapter.decode(out.past_key_values, seq[-1])).argmax()))
+    return out, seq
+
+
 async def test_decoded_tokens_are_committed_for_the_next_turn(llama: PreTrainedModel) -> None:
     prompt = tokens_of(10, seed=6)
     async with HiCache(config_for(llama)) as cache:
         adapter = HFAdapter(llama, cache)
         async with cache.fetch(prompt) as hit:
-            out = await adapter.prefill(hit, prompt)
-            seq = [*prompt, int(out.logits[0, -1].argmax())]
-            for _ in range(5):
-                seq.append(int((await adapter.decode(out.past_key_values, seq[-1])).argmax()))
+            out, seq = await prefill_and_decode(adapter, hit, prompt, steps=5)
             await adapter.commit_decoded(hit, out, seq[:-1])
             assert hit.num_cached_tokens == 12
         turn2 = [*seq, 42, 43]
@@ -213,10 +221,7 @@ async def test_decoded_tokens_are_copied_into_the_pool_on_the_executor(
     async with HiCache(config_for(llama)) as cache:
         adapter = HFAdapter(llama, cache)
         async with cache.fetch(prompt) as hit:
-            out = await adapter.prefill(hit, prompt)
-            seq = [*prompt, int(out.logits[0, -1].argmax())]
-            for _ in range(3):
-                seq.append(int((await adapter.decode(out.past_key_values, seq[-1])).argmax()))
+            out, seq = await prefill_and_decode(adapter, hit, prompt, steps=3)
             pool, threads = type(cache.device_pool), set()
             k_buffer = pool.k_buffer
 
