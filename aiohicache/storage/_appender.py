@@ -12,7 +12,8 @@ import os
 import secrets
 import struct
 import threading
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from . import _native
@@ -70,6 +71,9 @@ class Appender:
         """Every segment this appender made (its journals need not be read back)."""
         self._emptied: list[int] = []
         """Segments rolled holding journal entries and no record (see `take_emptied`)."""
+        self._held: Counter[int] = Counter()
+        """Segment id -> runs written (or copied) into it that the loop has not bound yet
+        (see `unhold`)."""
 
     def created_ids(self) -> frozenset[int]:
         with self._lock:
@@ -83,14 +87,27 @@ class Appender:
             return emptied
 
     def active_ids(self) -> frozenset[int]:
-        """The segments this instance may still append to (never compacted by it)."""
+        """The segments this instance may still append to, or holding records it has not
+        bound yet (never compacted by it)."""
         with self._lock:
-            return frozenset(lane.seg_id for lane in self._lanes)
+            return frozenset(lane.seg_id for lane in self._lanes).union(self._held)
 
-    def reserve(self, nbytes: int) -> tuple[_Lane, int]:
+    def unhold(self, seg_ids: Iterable[int]) -> None:
+        """The loop bound the records of a run `reserve`d with `hold` into each segment of
+        `seg_ids` (one per run), or gave them up.
+
+        NOTE: a lane can be rolled (sealed) by another thread between a run's journal append
+        and the loop binding its entries; compacted from the index meanwhile, the segment
+        went with records the index did not know of yet (pages lost, found by a stress).
+        """
+        with self._lock:
+            self._held.subtract(seg_ids)
+            self._held = +self._held  # NOTE: drops the counts at zero
+
+    def reserve(self, nbytes: int, *, hold: bool = False) -> tuple[_Lane, int]:
         """An idle lane with room for `nbytes` (rolled first if it is full, or if its file was
         removed) and the offset reserved in it; only the caller appends to it until
-        `release`."""
+        `release`. `hold`: the segment is not compacted here until `unhold`."""
         with self._lock:
             lane = next((lane for lane in self._lanes if not lane.busy), None)
             if lane is None or os.fstat(lane.seg_fd).st_nlink == 0 or (
@@ -100,6 +117,8 @@ class Appender:
             lane.busy = True
             offset = lane.end
             lane.end += nbytes
+            if hold:
+                self._held[lane.seg_id] += 1
             return lane, offset
 
     def release(self, lane: _Lane, entries: Sequence[Entry]) -> None:
@@ -230,7 +249,8 @@ def write_run(appender: Appender, fmt: PageFormat, keys: Sequence[str],
     """Append one object per key as one write, then journal `deletes` and the new records.
 
     Returns:
-        The PUT entry of each key, in order.
+        The PUT entry of each key, in order; their segment is held (`Appender.unhold`
+        once they are bound).
 
     Raises:
         OSError: nothing of the run was journaled (its records, if any landed, are dead).
@@ -239,18 +259,23 @@ def write_run(appender: Appender, fmt: PageFormat, keys: Sequence[str],
     # NOTE: the headers are made before a lane is taken, so no other thread waits for a
     # lane while this one hashes
     headers = encode_headers(fmt, keys, payloads)
-    lane, offset = appender.reserve(size * len(keys))
+    lane, offset = appender.reserve(size * len(keys), hold=bool(keys))
     entries: list[Entry] = []
     try:
-        if keys:
-            iov = [part for pair in zip(headers, payloads, strict=True) for part in pair]
-            _pwritev_all(lane.seg_fd, iov, offset)
-            if appender.fsync:
-                os.fdatasync(lane.seg_fd)
-        entries = [Entry(key, PUT, lane.seg_id, offset + i * size, size, stamp)
-                   for i, (key, stamp) in enumerate(zip(keys, stamps, strict=True))]
-    finally:
-        appender.release(lane, [*deletes, *entries])
+        try:
+            if keys:
+                iov = [part for pair in zip(headers, payloads, strict=True) for part in pair]
+                _pwritev_all(lane.seg_fd, iov, offset)
+                if appender.fsync:
+                    os.fdatasync(lane.seg_fd)
+            entries = [Entry(key, PUT, lane.seg_id, offset + i * size, size, stamp)
+                       for i, (key, stamp) in enumerate(zip(keys, stamps, strict=True))]
+        finally:
+            appender.release(lane, [*deletes, *entries])
+    except BaseException:
+        if keys:  # nothing to bind
+            appender.unhold([lane.seg_id])
+        raise
     return entries
 
 
@@ -305,29 +330,37 @@ def lock_segment(root: str, seg_id: int, known: int) -> tuple[int, Locked] | Non
 
 
 def compact(appender: Appender, fd: int, victim: int, moves: Sequence[Entry],
-            keep: Sequence[Entry]) -> list[Entry]:
+            keep: Sequence[Entry]) -> tuple[list[Entry], list[int]]:
     """Copy the live records `moves` (all in segment `victim`, open and locked as `fd`) into
     an active segment, journal them and `keep` (the victim journal's winning entries that
     point elsewhere), then remove the victim's journal and segment.
 
     Returns:
-        The new entries of `moves` (same keys and stamps, new places).
+        The new entries of `moves` (same keys and stamps, new places), and the segments
+        held for them (`Appender.unhold` once they are re-pointed).
     """
-    moved = _copy_records(appender, fd, moves)
-    appender.log(keep)
-    for suffix in ("log", "seg"):  # the journal first: a segment alone is an orphan
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(segment_path(appender.root, victim, suffix))
-    return moved
+    held: list[int] = []
+    try:
+        moved = _copy_records(appender, fd, moves, held)
+        appender.log(keep)
+        for suffix in ("log", "seg"):  # the journal first: a segment alone is an orphan
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(segment_path(appender.root, victim, suffix))
+    except BaseException:
+        appender.unhold(held)  # nothing will be re-pointed
+        raise
+    return moved, held
 
 
-def _copy_records(appender: Appender, fd: int, moves: Sequence[Entry]) -> list[Entry]:
+def _copy_records(appender: Appender, fd: int, moves: Sequence[Entry],
+                  held: list[int]) -> list[Entry]:
     moved: list[Entry] = []
     chunk = 32
     for lo in range(0, len(moves), chunk):
         group = moves[lo:lo + chunk]
         blobs = [os.pread(fd, entry.length, entry.offset) for entry in group]
-        lane, offset = appender.reserve(sum(len(blob) for blob in blobs))
+        lane, offset = appender.reserve(sum(len(blob) for blob in blobs), hold=True)
+        held.append(lane.seg_id)
         entries: list[Entry] = []
         try:
             _pwritev_all(lane.seg_fd, list(blobs), offset)

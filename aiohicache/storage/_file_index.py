@@ -89,12 +89,19 @@ class SegmentIndex:
     def bind_written(self, entry: Entry) -> bool:
         """Bind a record this instance just wrote, unless a later write or delete of its key
         (its stamp was taken when the write began) came first: then the record is dead on
-        arrival, as the journals say too. True if bound."""
+        arrival, as the journals say too. True if bound.
+
+        A key bound already with the entry's stamp is bound to this very write, moved by
+        another instance's compaction (a look merged the move first): it stays there.
+        NOTE: re-bound where it was written, the key pointed into the removed segment, and
+        the next look dropped it (a stress found the writer missing its own last write).
+        """
         current = self.entries.get(entry.key)
-        if (current is not None and current.stamp > entry.stamp) or \
+        if (current is not None and current.stamp >= entry.stamp) or \
                 self.deleted.get(entry.key, -1) > entry.stamp:
-            end = entry.offset + entry.length
-            self.sizes[entry.seg_id] = max(self.sizes.get(entry.seg_id, 0), end)
+            if entry.seg_id not in self.gone:
+                end = entry.offset + entry.length
+                self.sizes[entry.seg_id] = max(self.sizes.get(entry.seg_id, 0), end)
             self.may_compact = True
             if current is not None and current.key not in self.budget:
                 self.budget.add(current.key, current.length)  # the run took it out

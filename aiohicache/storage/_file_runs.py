@@ -151,6 +151,8 @@ class WriteRun:
         for i, entry in zip(self.planned, entries, strict=True):
             store._index.bind_written(entry)  # stored, if maybe already overwritten or deleted
             self.stored[i] = True
+        if entries:  # bound: its segment may be compacted here now
+            store._appender.unhold([entries[0].seg_id])
         store._stats.pages_written += len(entries)
         store._stats.bytes_written += len(entries) * store.fmt.payload_bytes
 

@@ -195,12 +195,13 @@ class _FileUpkeep:
             index.compacting.add(victim)
         try:
             moves, keep = index.compaction_plan(victim, log, unseen)  # no await since the lock
-            moved = await self._in_thread(_appender.compact, self._appender, fd, victim,
-                                          moves, keep)
+            moved, held = await self._in_thread(_appender.compact, self._appender, fd, victim,
+                                                moves, keep)
         finally:
             index.compacting.discard(victim)
             os.close(fd)  # NOTE: after the thread ended (the caller waits for it)
         index.repoint(victim, moves, moved)
+        self._appender.unhold(held)
         self._stats.extra["compactions"] = self._stats.extra.get("compactions", 0) + 1
         logger.debug("storage: compacted segment %016x (%d live records moved)", victim,
                      len(moved))

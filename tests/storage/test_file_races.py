@@ -442,3 +442,26 @@ async def test_a_compaction_between_reading_the_journals_and_listing_the_segment
         assert not armed and not (tmp_path / f"{victim:016x}.seg").exists()
         assert all(x in b._index for x in xs)  # moved, not dropped until another look
         assert await read(b, xs) == written(xs)
+
+
+async def test_a_segment_sealed_while_a_starting_instance_scans_is_not_taken_for_an_orphan(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A starting instance lists the journals, then the segments: a segment made, written
+    and sealed in between had no journal in its listing and no lock, and was removed as a
+    dead writer's orphan, with the pages journaled in it (a stress found them lost)."""
+    k = make_keys(1, seed=43)
+    real_list, armed = seg._list, [True]
+
+    def list_then_seal_a_segment(root: str, segments: Any = None) -> list[int]:
+        logs = real_list(root, segments)
+        if segments is None and armed and armed.pop():
+            appender = _appender.Appender(root, segment_bytes=1 << 20, fsync=False)
+            _appender.write_run(appender, FMT, k, pages(k), [time.time_ns()], [])
+            appender.close()
+        return logs
+    monkeypatch.setattr(seg, "_list", list_then_seal_a_segment)
+    async with FileBackend(tmp_path, FMT) as starter:
+        monkeypatch.undo()
+        assert not armed and starter.stats().extra["orphans_removed"] == 0
+        assert await read(starter, k) == written(k)
+    assert await served_after_restart(tmp_path, k) == written(k)

@@ -53,10 +53,10 @@ def slowed_compaction(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     window where the loop may run other calls of the same instance)."""
     real = _appender.compact
 
-    def slow(*args: Any) -> list[seg.Entry]:
-        moved = real(*args)
+    def slow(*args: Any) -> tuple[list[seg.Entry], list[int]]:
+        done = real(*args)
         time.sleep(seconds)
-        return moved
+        return done
     monkeypatch.setattr(_appender, "compact", slow)
 
 

@@ -1,0 +1,108 @@
+"""The gap between a record landing and its entry being bound: a write's (or a compaction's)
+I/O thread appends the record and journals it, then the loop binds it in the index a little
+later. Whatever another instance or this one's own compaction does in that gap, the page
+written is served, here, elsewhere and after a restart.
+
+A randomized sharing stress (`tests/storage/stress_sharing.py`) found each of these as a page
+lost by the instance that wrote it; every test failed before its fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aiohicache.storage import FileBackend, _file_runs
+from aiohicache.storage._journal import Entry
+
+from .conftest import FMT, make_keys
+from .test_file_sharing import pages, read, served_after_restart, written
+
+real_finish = _file_runs.WriteRun.finish
+
+
+def defer_binding_of(key: str, monkeypatch: pytest.MonkeyPatch
+                     ) -> list[tuple[_file_runs.WriteRun, list[Entry]]]:
+    """Hold back the loop's side of the next write runs of `key` (its record is written and
+    journaled, not yet bound): the runs held, to finish by hand."""
+    held: list[tuple[_file_runs.WriteRun, list[Entry]]] = []
+
+    def finish(self: _file_runs.WriteRun, entries: list[Entry]) -> None:
+        if key in (self.keys[i] for i in self.planned):
+            held.append((self, entries))
+            return
+        real_finish(self, entries)
+    monkeypatch.setattr(_file_runs.WriteRun, "finish", finish)
+    return held
+
+
+async def test_a_segment_holding_a_write_not_bound_yet_is_not_compacted_here(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This instance compacted its own sealed segment from its index, in which the write
+    was not bound yet: the record was left behind, the segment removed, the page lost."""
+    k0, k1 = make_keys(2, seed=40)
+    async with FileBackend(tmp_path, FMT) as store:
+        await store.set_from([k0], pages([k0]))
+        held = defer_binding_of(k1, monkeypatch)
+        await store.set_from([k1], pages([k1]))
+        assert held
+        store._appender.close()  # the lane sealed, as another run rolling it would
+        assert await store.delete([k0]) == 1  # the segment all dead, as far as the index knows
+        monkeypatch.undo()
+        for run, entries in held:
+            real_finish(run, entries)
+        assert await read(store, [k1]) == written([k1])
+    assert await served_after_restart(tmp_path, [k1]) == written([k1])
+
+
+async def test_a_write_moved_by_another_instance_before_it_was_bound_is_served(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another instance compacted the writer's sealed segment, moving the new record, and
+    the writer read that move before binding its write: binding the record where it was
+    written (gone) dropped the key at the next look."""
+    k = make_keys(1, seed=41)
+    async with FileBackend(tmp_path, FMT) as writer, \
+            FileBackend(tmp_path, FMT, refresh_interval=0.0) as other:
+        held = defer_binding_of(k[0], monkeypatch)
+        await writer.set_from(k, pages(k))
+        writer._appender.close()
+        victim = held[0][1][0].seg_id
+        await other._refresh(force=True)
+        assert await other._compact(victim)  # moved, and the segment removed
+        await writer._refresh(force=True)  # learns the move
+        monkeypatch.undo()
+        for run, entries in held:
+            real_finish(run, entries)
+        assert await writer.exists(k) == 1
+        assert await read(writer, k) == written(k)
+        assert await read(other, k) == written(k)
+    assert await served_after_restart(tmp_path, k) == written(k)
+
+
+async def test_a_page_compacted_again_while_its_read_was_retried_is_served(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read that found its segment gone looked at the journals and read again; the
+    segment the page was moved to was compacted too before that second read, which then
+    unbound the key: a miss, and no later look brought it back."""
+    k = make_keys(1, seed=42)
+    async with FileBackend(tmp_path, FMT) as reader, \
+            FileBackend(tmp_path, FMT, refresh_interval=0.0) as other:
+        await reader.set_from(k, pages(k))
+        reader._appender.close()
+        await other._refresh(force=True)
+        moved = await other._compact(reader._index.entries[k[0]].seg_id)
+        assert moved
+        real_refresh, armed = reader._refresh, [moved[0].seg_id]
+
+        async def refresh(*, force: bool = False) -> None:
+            await real_refresh(force=force)
+            if armed:  # compacted again, right after the reader looked
+                other._appender.close()
+                assert await other._compact(armed.pop())
+        monkeypatch.setattr(reader, "_refresh", refresh)
+        assert await read(reader, k) == written(k)
+        assert not armed
+        assert await reader.exists(k) == 1
+    assert await served_after_restart(tmp_path, k) == written(k)
+
