@@ -28,12 +28,14 @@ import hashlib
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
+from ._validate import check_int
 from .errors import ConfigError
 from .storage import BackendStats, PageFormat, StorageBackend, backend_from_url
 
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DEFAULT_URL = "file:///tmp/aiohicache-sglang"
+_CLEAR_MEMORY = 1 << 20
 
 
 @dataclass
@@ -110,7 +113,8 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
             ``model_name``, ``enable_storage_metrics`` and ``extra_config`` keys ``storage_url``
             (default ``file:///tmp/aiohicache-sglang``; ``redis://host:port/db`` too),
             ``storage_options`` (keyword arguments of the store, e.g. ``capacity_bytes``)
-            and ``timeout_s`` (per call, default 30).
+            ``timeout_s`` (per call, default 30) and ``clear_memory`` (how many of the
+            keys this process stored `clear` remembers, the most recent; default 1,048,576).
         kwargs: what SGLang's factory passes beside the config (unused).
 
     Every batch call returns a list (never None: SGLang's prefetch thread would stop for
@@ -122,12 +126,16 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         self.url = str(extra.get("storage_url", DEFAULT_URL))
         self.options = dict(extra.get("storage_options") or {})
         self.timeout_s = float(extra.get("timeout_s", 30.0))
+        self.clear_memory = check_int("clear_memory", extra.get("clear_memory", _CLEAR_MEMORY),
+                                      low=0)
         shard = _shard(storage_config)
         self.namespace = f"sglang|{getattr(storage_config, 'model_name', None) or ''}|{shard}"
         self.mem_pool_host: Any = None
         self._page_dtype = torch.uint8
         self._backend: StorageBackend | None = None
-        self._stored: set[str] = set()  # keys this process wrote, for clear()
+        self._stored: OrderedDict[str, None] = OrderedDict()
+        """The keys this process stored, the latest `clear_memory` (for `clear`). NOTE: a set
+        of every key grew for the life of the server (about 140 bytes a page stored)."""
         self._stats = StorageStats()
         # NOTE: SGLang drains `get_stats` only with storage metrics on; without them a record
         # of every batch would grow for the life of the server
@@ -260,9 +268,10 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
     # ---------------------------------------------------------------- admin
 
     def clear(self) -> None:
-        """Delete every page this process stored (the store may hold others' pages too)."""
+        """Delete the pages this process stored, the latest `clear_memory` of them (the store
+        may hold others' pages too; older pages leave it by its own budget)."""
         with self._lock:
-            keys, self._stored = sorted(self._stored), set()
+            keys, self._stored = list(self._stored), OrderedDict()
         if keys:
             self._call("delete", lambda b: b.delete(keys), 0)
 
@@ -302,8 +311,13 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
 
     def _remember(self, keys: Sequence[str], ok: Sequence[bool]) -> None:
         with self._lock:
-            self._stored.update(k for k, stored in zip(self._keys(keys), ok, strict=True)
-                                if stored)
+            stored = self._stored
+            for key, good in zip(self._keys(keys), ok, strict=True):
+                if good:
+                    stored[key] = None
+                    stored.move_to_end(key)
+            while len(stored) > self.clear_memory:
+                stored.popitem(last=False)
 
     def _record(self, kind: str, ok: Sequence[bool], start: float) -> None:
         """Note a prefetch or backup batch: pages done and GB/s (with storage metrics)."""

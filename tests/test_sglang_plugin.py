@@ -87,7 +87,8 @@ def make_backend(url: str, **config: Any) -> AiohicacheStorage:
     """As SGLang's factory does for ``dynamic``: ``cls(storage_config, kwargs)``, then the
     controller registers its host pool."""
     extra = {"backend_name": "aiohicache", "module_path": "aiohicache.sglang_plugin",
-             "class_name": "AiohicacheStorage", "interface_v1": 1, "storage_url": url}
+             "class_name": "AiohicacheStorage", "interface_v1": 1, "storage_url": url,
+             **config.pop("extra", {})}
     cfg = HiCacheStorageConfig(extra_config=extra, **config)
     module = importlib.import_module(extra["module_path"])
     backend: AiohicacheStorage = getattr(module, extra["class_name"])(cfg, {})
@@ -200,6 +201,30 @@ def test_per_key_get_and_set(small: AiohicacheStorage) -> None:
     assert backend.batch_get(["ab" * 32, "ef" * 32]) [1] is None
     backend.clear()
     assert backend.batch_exists(["ab" * 32, "cd" * 32]) == 0
+
+
+def test_clear_remembers_only_the_latest_keys_it_stored(tmp_path: Path) -> None:
+    """The keys kept for `clear` were a set of every page ever stored: it grew for the life
+    of the server. Now the latest `clear_memory`; a key stored again counts as latest."""
+    backend = make_backend(f"file://{tmp_path}", extra={"clear_memory": 3})
+    backend.register_mem_pool_host(MHAHostPool(2))
+    try:
+        keys, page = [f"{i:02x}" * 32 for i in range(5)], a_page()
+        for key in keys:
+            assert backend.set(key, page)
+        assert backend.set(keys[0], page)  # again: the latest now
+        assert len(backend._stored) == 3
+        backend.clear()
+        assert [backend.exists(key) for key in keys] == [False, True, True, False, False]
+        assert not backend._stored
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "many"])
+def test_a_bad_clear_memory_is_a_config_error(tmp_path: Path, bad: object) -> None:
+    with pytest.raises(ConfigError, match=r"^clear_memory: must be"):
+        make_backend(f"file://{tmp_path}", extra={"clear_memory": bad})
 
 
 def test_a_value_not_one_page_long_is_refused_and_nothing_is_stored(
