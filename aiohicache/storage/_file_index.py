@@ -180,11 +180,17 @@ class SegmentIndex:
             self.apply(entry)
         return torn
 
-    def merge_segments(self, scan: JournalScan, before: set[int], newest: int) -> None:
-        """Begin merging what other processes journaled since the last look: the segments
-        (those of `before`, known when the look began, that are gone were compacted or
-        removed); the caller then `apply`s the scan's entries in stamp order, the latest
-        `newest`.
+    def merge_segments(self, scan: JournalScan, before: set[int], newest: int) -> list[int]:
+        """Begin merging what other processes journaled since the last look: the segments;
+        the caller then `apply`s the scan's entries in stamp order, the latest `newest`,
+        and last `drop_segment`s each of the segments returned: those of `before` (known
+        when the look began) that are gone, compacted or removed.
+
+        Entries naming a gone segment are not merged from now on, but the keys bound into
+        one stay bound until it is dropped. NOTE: dropped first, a key moved out of it was
+        unbound until the chunk holding its move came, and a read meanwhile missed it (the
+        merge lets the loop run between chunks; found by a stress). Bound, a read finds the
+        segment gone and looks again once the merge has ended.
 
         NOTE: stamps given from now on are later than any of the scan's, as if its entries
         were all merged already: the caller may apply them a chunk at a time, and a write or
@@ -193,10 +199,12 @@ class SegmentIndex:
         for seg_id, size in scan.segments.items():
             if seg_id not in self.gone:  # listed before this instance removed it
                 self.sizes[seg_id] = max(size, self.sizes.get(seg_id, 0))
-        for seg_id in before - set(scan.segments) - self.compacting:
-            self.drop_segment(seg_id)
+        gone = list(before - set(scan.segments) - self.compacting)
+        for seg_id in gone:
+            self.sizes.pop(seg_id, None)
         self.read_to = scan.read_to
         self.last_stamp = max(self.last_stamp, newest)
+        return gone
 
     def drop_segment(self, seg_id: int) -> None:
         """Forget a segment that is gone, and every key bound into it."""

@@ -139,13 +139,15 @@ class _FileUpkeep:
         be lost: the journals' read positions already moved past them).
         """
         index = self._index
-        index.merge_segments(scan, before, order[-1].stamp if order else 0)
+        gone = index.merge_segments(scan, before, order[-1].stamp if order else 0)
         apply = index.apply
         for lo in range(0, len(order), _MERGE_CHUNK):
             if lo:
                 await anyio.lowlevel.checkpoint()
             for entry in order[lo:lo + _MERGE_CHUNK]:
                 apply(entry)
+        for seg_id in gone:
+            index.drop_segment(seg_id)
 
     # ---------------------------------------------------------------------------- compaction
 

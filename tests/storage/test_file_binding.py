@@ -9,11 +9,13 @@ lost by the instance that wrote it; every test failed before its fix.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
+import anyio
 import pytest
 
-from aiohicache.storage import FileBackend, _file_runs
+from aiohicache.storage import FileBackend, _file_runs, _file_upkeep
 from aiohicache.storage._journal import Entry
 
 from .conftest import FMT, make_keys
@@ -106,3 +108,34 @@ async def test_a_page_compacted_again_while_its_read_was_retried_is_served(
         assert await reader.exists(k) == 1
     assert await served_after_restart(tmp_path, k) == written(k)
 
+
+
+async def test_a_page_moved_by_another_instance_stays_bound_while_a_look_merges_the_move(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A look dropped the segments found gone, then merged the entries a chunk at a time,
+    letting the loop run between chunks: until the chunk holding a key's move came, the key
+    was unbound, and a read meanwhile (the look rate-limited) missed this instance's own
+    page. The gone segments are dropped after the entries are merged now."""
+    monkeypatch.setattr(_file_upkeep, "_MERGE_CHUNK", 1)
+    k0, k = make_keys(2, seed=44)
+    async with FileBackend(tmp_path, FMT, refresh_interval=60.0) as writer, \
+            FileBackend(tmp_path, FMT) as other:
+        await writer.set_from([k0], pages([k0]))  # the older stamp: merged first
+        await writer.set_from([k], pages([k]))
+        writer._appender.close()
+        await other._refresh(force=True)
+        assert await other._compact(writer._index.entries[k].seg_id)  # both moved
+        bound, merging = [], anyio.Event()
+        real_apply = writer._index.apply
+
+        def apply(entry: Entry) -> bool:
+            bound.append(k in writer._index)
+            merging.set()
+            return real_apply(entry)
+        monkeypatch.setattr(writer._index, "apply", apply)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(writer._refresh, force=True))
+            await merging.wait()  # the look is between its two chunks
+            assert await read(writer, [k]) == written([k])
+        assert len(bound) >= 2 and all(bound)
+    assert await served_after_restart(tmp_path, [k0, k]) == written([k0, k])
