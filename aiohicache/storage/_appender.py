@@ -268,7 +268,8 @@ def write_run(appender: Appender, fmt: PageFormat, keys: Sequence[str],
                 _pwritev_all(lane.seg_fd, iov, offset)
                 if appender.fsync:
                     os.fdatasync(lane.seg_fd)
-            entries = [Entry(key, PUT, lane.seg_id, offset + i * size, size, stamp)
+            origin = (lane.seg_id & 0xFFFFFFFF) or 1
+            entries = [Entry(key, PUT, lane.seg_id, offset + i * size, size, stamp, origin)
                        for i, (key, stamp) in enumerate(zip(keys, stamps, strict=True))]
         finally:
             appender.release(lane, [*deletes, *entries])

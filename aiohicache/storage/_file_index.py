@@ -97,9 +97,13 @@ class SegmentIndex:
         the next look dropped it (a stress found the writer missing its own last write).
         """
         current = self.entries.get(entry.key)
-        if (current is not None and current.stamp >= entry.stamp) or \
+        # NOTE: the same stamp and origin: this very write, moved by another instance's
+        # compaction, which removed the segment it was written into (not sized again)
+        moved = current is not None and current.stamp == entry.stamp and \
+            current.origin == entry.origin
+        if moved or (current is not None and _outranks(current, entry)) or \
                 self.deleted.get(entry.key, -1) > entry.stamp:
-            if entry.seg_id not in self.gone:
+            if not moved and entry.seg_id not in self.gone:
                 end = entry.offset + entry.length
                 self.sizes[entry.seg_id] = max(self.sizes.get(entry.seg_id, 0), end)
             self.may_compact = True
@@ -153,7 +157,9 @@ class SegmentIndex:
         # NOTE: stamps given here stay later than any merged (another instance's clock may
         # run ahead, or this machine's clock stepped back since the journals were written)
         self.last_stamp = max(self.last_stamp, entry.stamp)
-        if current is not None and (current.stamp > entry.stamp or current == entry):
+        if current is not None and (current == entry or (_outranks(current, entry) if
+                                                         entry.kind == PUT else
+                                                         current.stamp > entry.stamp)):
             return False
         if entry.kind == PUT:
             if current is None and self.deleted.get(entry.key, -1) >= entry.stamp:
@@ -295,6 +301,12 @@ class SegmentIndex:
         self.gone[victim] = None
         while len(self.gone) > _GONE_MEMORY:
             self.gone.popitem(last=False)
+
+
+def _outranks(a: Entry, b: Entry) -> bool:
+    """Whether PUT `a` wins over PUT `b`: the later stamp, and on a tie (two instances
+    that merged the same newest stamp stamp alike) the greater origin, as everywhere."""
+    return (a.stamp, a.origin) > (b.stamp, b.origin)
 
 
 def _same_record(a: Entry, b: Entry) -> bool:

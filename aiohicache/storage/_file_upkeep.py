@@ -107,15 +107,14 @@ class _FileUpkeep:
     async def _refresh(self, *, force: bool = False) -> None:
         """Read what other processes journaled since the last look (at most every
         `refresh_interval`, unless `force`)."""
-        now = time.monotonic()
-        if not force and now - self._last_refresh < self.refresh_interval:
-            return
         if not force and self._merging.locked():
             # NOTE: a look under way: wait for its merge, which may hold what the caller
             # asks for (a delete that went on unmerged deleted nothing, and the merge then
-            # bound the other process's record)
+            # bound the other process's record), even within `refresh_interval` of its start
             async with self._merging:
                 return
+        if not force and time.monotonic() - self._last_refresh < self.refresh_interval:
+            return
         async with self._merging:
             self._last_refresh = time.monotonic()
             before = set(self._index.sizes)  # a segment made during the scan is not gone
@@ -141,13 +140,15 @@ class _FileUpkeep:
         index = self._index
         gone = index.merge_segments(scan, before, order[-1].stamp if order else 0)
         apply = index.apply
-        for lo in range(0, len(order), _MERGE_CHUNK):
-            if lo:
-                await anyio.lowlevel.checkpoint()
-            for entry in order[lo:lo + _MERGE_CHUNK]:
-                apply(entry)
-        for seg_id in gone:
-            index.drop_segment(seg_id)
+        try:
+            for lo in range(0, len(order), _MERGE_CHUNK):
+                if lo:
+                    await anyio.lowlevel.checkpoint()
+                for entry in order[lo:lo + _MERGE_CHUNK]:
+                    apply(entry)
+        finally:  # NOTE: else their keys stayed bound into removed files for good
+            for seg_id in gone:
+                index.drop_segment(seg_id)
 
     # ---------------------------------------------------------------------------- compaction
 

@@ -63,10 +63,15 @@ class Entry(NamedTuple):
     length: int
     stamp: int
     """Nanoseconds since the epoch; the latest stamp for a key wins."""
+    origin: int = 0
+    """A PUT's write: the low 32 bits of the segment it was first written into (kept when a
+    compaction moves it; 0: written by an older version). Breaks ties of stamps, and tells
+    a write moved from another write stamped alike."""
 
     def pack(self) -> bytes:
         fields = _ENTRY.pack(_MAGIC, self.kind, len(self.key), 0, self.seg_id, self.offset,
-                             self.length, 0, self.stamp, self.key.encode("ascii"))
+                             self.length, self.origin, self.stamp,
+                             self.key.encode("ascii"))
         return fields + _CHECK.pack(xxhash.xxh3_64_intdigest(fields))
 
 
@@ -80,10 +85,11 @@ def unpack_entries(data: bytes | memoryview) -> list[Entry]:
         (check,) = _CHECK.unpack_from(view, pos + _ENTRY.size)
         if xxhash.xxh3_64_intdigest(fields) != check:
             continue
-        magic, kind, key_len, _, seg_id, offset, length, _, stamp, key = _ENTRY.unpack(fields)
+        magic, kind, key_len, _, seg_id, offset, length, origin, stamp, key = \
+            _ENTRY.unpack(fields)
         if magic == _MAGIC and kind in (PUT, DELETE, TOUCH) and 16 <= key_len <= 128:
             out.append(Entry(key[:key_len].decode("ascii", "replace"), kind, seg_id, offset,
-                             length, stamp))
+                             length, stamp, origin))
     return out
 
 
@@ -104,7 +110,8 @@ class JournalScan:
 
     def in_stamp_order(self) -> list[Entry]:
         """Every entry found, oldest stamp first (so applying them in order, the last wins)."""
-        return sorted((e for _, batch in self.entries for e in batch), key=lambda e: e.stamp)
+        return sorted((e for _, batch in self.entries for e in batch),
+                      key=lambda e: (e.stamp, e.origin))
 
 
 def read_journals(root: str, read_to: dict[int, int],

@@ -7,10 +7,9 @@ legally serve reports torn or foreign bytes (never seen), older versions and los
     .venv/bin/python -m tests.storage.stress_sharing SEED SECONDS [MERGE_CHUNK]
     NOCANCEL=5 ...   # no cancellation
 
-Open (2026-11-24): with NOCANCEL=5 some seeds (5, sometimes 3) still report a few lost
-pages or older versions per 6 s run, after the fix of the look that missed a compaction's
-moves (`test_a_compaction_between_reading_the_journals_and_listing_the_segments_loses_nothing`).
-Never another key's bytes: the page checks hold.
+It found five races (each now a test in test_file_races.py or test_file_binding.py, see
+docs/storage.md); since their fixes no seed has reported a problem. Never another key's
+bytes, before or after: the page checks hold.
 """
 from __future__ import annotations
 
