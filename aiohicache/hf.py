@@ -17,6 +17,7 @@ Needs the ``hf`` extra (``pip install aiohicache[hf]``).
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -30,7 +31,8 @@ from transformers.cache_utils import DynamicLayer
 from . import ConfigError, FetchContext, HiCache, KVSpec
 from ._concurrency import Promise, finish_then_cancel, submit_to_thread
 
-__all__ = ("HFAdapter", "PoolCache", "Prefill", "forward", "kv_spec", "layer_kv", "tiny_llama")
+__all__ = ("HFAdapter", "PoolCache", "Prefill", "cache_kwarg", "forward", "kv_spec", "layer_kv",
+           "tiny_llama")
 
 
 def tiny_llama(*, seed: int = 0, vocab_size: int = 32000, hidden_size: int = 128,
@@ -87,10 +89,26 @@ def forward(model: PreTrainedModel, tokens: list[int], past: DynamicCache, *,
     """
     ids = torch.tensor([tokens], dtype=torch.int64, device=model.device)
     with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=past, use_cache=True,
-                    logits_to_keep=0 if all_logits else 1)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1,
+                    **{cache_kwarg(model): past})
     logits: torch.Tensor = out.logits
     return logits
+
+
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """The keyword `model`'s forward takes its KV cache by: ``cache`` in recent
+    transformers, ``past_key_values`` before.
+
+    NOTE: transformers 5.24 renamed it; the old name warns (an error under the tests'
+    warning filter: every cached pass failed) and goes in 5.40.
+    """
+    return _cache_kwarg_of(type(model))
+
+
+@functools.cache
+def _cache_kwarg_of(cls: type) -> str:
+    params = inspect.signature(cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def layer_kv(past: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from transformers import (
 )
 
 from aiohicache import ConfigError, HiCache, HiCacheConfig
-from aiohicache.hf import HFAdapter, kv_spec, tiny_llama
+from aiohicache.hf import HFAdapter, cache_kwarg, kv_spec, tiny_llama
 
 SMALL = {"vocab_size": 500, "hidden_size": 64, "num_layers": 3, "num_heads": 4,
          "num_kv_heads": 2}
@@ -82,11 +82,12 @@ def recompute(model: PreTrainedModel, tokens: list[int], num_prefix: int,
         if num_prefix:
             start = 0
             for n in chunks or [len(tokens)]:
-                model(torch.tensor([tokens[start:start + n]]), past_key_values=past,
-                      use_cache=True)
+                model(torch.tensor([tokens[start:start + n]]), use_cache=True,
+                      **{cache_kwarg(model): past})
                 start += n
             past.crop(num_prefix - past.get_seq_length())  # negative: tokens to drop
-        out = model(torch.tensor([tokens[num_prefix:]]), past_key_values=past, use_cache=True)
+        out = model(torch.tensor([tokens[num_prefix:]]), use_cache=True,
+                    **{cache_kwarg(model): past})
     logits: torch.Tensor = out.logits
     return logits
 
