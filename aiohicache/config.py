@@ -151,8 +151,14 @@ class KVSpec:
         return self.num_kv * self.num_layers * self.row_bytes
 
     def fingerprint(self) -> str:
-        """A stable text identity of the layout (part of storage keys and headers)."""
-        dims = "x".join(str(d) for d in self.row_shape)
+        """A stable text identity of the layout (part of storage keys and headers).
+
+        NOTE: an MLA row is named by its two parts (``512+64``), not its width: two models
+        whose rows are as wide but split elsewhere between latent and rotary part would
+        have shared pages (a review found it; the KV of one is wrong for the other).
+        """
+        dims = "x".join(str(d) for d in self.row_shape) if self.kind == "mha" else \
+            f"{self.kv_lora_rank}+{self.rope_dim}"
         return f"{self.kind}-L{self.num_layers}-{dims}-{str(self.dtype).removeprefix('torch.')}"
 
 

@@ -496,11 +496,10 @@ def test_every_identity_has_its_own_keys_and_page_format() -> None:
     assert PageKeys(mla[0]).root == PageKeys(mla[1]).root == roots["mla"]
 
 
-@pytest.mark.xfail(strict=True, reason="KVSpec.fingerprint (config.py) names an MLA row's "
-                   "width, not its split into latent and rotary parts: two MLA specs of one "
-                   "width share pages unless their namespaces differ")
 def test_mla_caches_that_split_the_row_differently_do_not_share_pages() -> None:
-    """Open: a spec's identity should name where the rotary part of a row begins."""
+    """A spec's identity names where the rotary part of a row begins: it named the row's
+    width only, so two MLA models of one width shared pages unless their namespaces
+    differed."""
     other = KVSpec.mla(num_layers=SPEC_MLA.num_layers, kv_lora_rank=SPEC_MLA.kv_lora_rank - 4,
                        rope_dim=SPEC_MLA.rope_dim + 4, dtype=SPEC_MLA.dtype)
     one, two = (HiCacheConfig(**{**BASE, "spec": spec}) for spec in (SPEC_MLA, other))
