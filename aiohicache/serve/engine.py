@@ -19,6 +19,7 @@ from typing import Protocol, Self
 
 import anyio
 import torch
+import xxhash
 from transformers import DynamicCache, PreTrainedModel
 
 from .. import CapacityError, ConfigError, HiCache, HiCacheConfig
@@ -76,6 +77,10 @@ class EngineConfig:
     max_running: int = 8
     """Requests generating at once (a batch): past it, requests wait their turn before they
     touch the cache, so waiting requests pin no device pages."""
+    namespace: str | None = None
+    """The cache's namespace (part of every L3 key); None: `weights_namespace` of the
+    model, so servers of one model share L3 pages and other models (or other weights of
+    one architecture, a fine-tune) never do."""
     torch_threads: int | None = 1
     """torch's intra-op threads (process-wide), set when the engine opens; None leaves it.
     NOTE: 1 by default because the CPU transfer engine's copy thread sets the process-wide
@@ -338,4 +343,21 @@ def cache_config(model: PreTrainedModel, config: EngineConfig) -> HiCacheConfig:
     return HiCacheConfig(spec=kv_spec(model.config, model.dtype), page_size=ps,
                          device_pages=max(1, config.device_tokens // ps),
                          host_pages=config.host_tokens // ps, storage=config.storage,
-                         device=str(model.device))
+                         device=str(model.device),
+                         namespace=config.namespace or weights_namespace(model))
+
+
+def weights_namespace(model: PreTrainedModel) -> str:
+    """``weights-`` and the xxh3-128 of every parameter and buffer (names, shapes, dtypes,
+    bytes): one model's servers agree on it, and nothing else does.
+
+    NOTE: the namespace was left "default", so two servers of models whose KV has one
+    shape (a model and its fine-tune, two seeds of the tiny model) sharing an L3 served
+    each other's KV (a review found it). About 0.1 s a GB of weights, once per engine.
+    """
+    digest = xxhash.xxh3_128()
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1).contiguous().cpu()
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+        digest.update(flat.view(torch.uint8).numpy())
+    return f"weights-{digest.hexdigest()}"

@@ -151,6 +151,29 @@ async def test_bad_requests_get_a_400_naming_the_field(body: dict[str, Any],
     assert got["status"] == 400 and message in got["error"]["message"]
 
 
+async def test_servers_of_other_weights_sharing_one_l3_miss_each_others_pages(
+        tmp_path: Path) -> None:
+    """The namespace was left "default": two servers of models whose KV has one shape (here
+    two seeds of the tiny model; a model and its fine-tune) sharing an L3 served each
+    other's KV. It is the weights' digest now: the same weights hit, others miss."""
+    store, prompt = f"file://{tmp_path}", prompt_of(320, 3)
+    fields = {"page_size": 16, "device_tokens": 2048, "host_tokens": 8192, "storage": store}
+
+    async def cached(seed: int, **config: Any) -> int:
+        model = tiny_llama(seed=seed, **MODEL)
+        async with Engine(model, ByteTokenizer(), EngineConfig(**fields, **config)) as eng, \
+                running_server(eng) as url, aiohttp.ClientSession() as session:
+            got = await post(session, url, prompt=prompt, max_tokens=1, temperature=0)
+            assert eng.cache is not None
+            await eng.cache.drain()  # backed up to L3
+            return int(got["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert await cached(seed=5) == 0
+    assert await cached(seed=6) == 0  # another model of the same shape: its pages miss
+    assert await cached(seed=5) == 319  # the first model again: served from L3
+    assert await cached(seed=6, namespace="fleet") == 0
+    assert await cached(seed=6, namespace="fleet") == 319  # a namespace given is kept
+
+
 async def test_a_request_waiting_on_slow_l3_does_not_hold_up_others(tmp_path: Path) -> None:
     store, slow = f"file://{tmp_path}", 0.6  # exists + get: 1.2 s, in the 2 s prefetch wait
     old = prompt_of(320, 4)
