@@ -102,13 +102,16 @@ def cache_kwarg(model: PreTrainedModel) -> str:
     NOTE: transformers 5.24 renamed it; the old name warns (an error under the tests'
     warning filter: every cached pass failed) and goes in 5.40.
     """
-    return _cache_kwarg_of(type(model))
+    cls = type(model)
+    kwarg = _CACHE_KWARGS.get(cls)
+    if kwarg is None:
+        kwarg = "cache" if "cache" in inspect.signature(cls.forward).parameters else \
+            "past_key_values"
+        _CACHE_KWARGS[cls] = kwarg
+    return kwarg
 
 
-@functools.cache
-def _cache_kwarg_of(cls: type) -> str:
-    params = inspect.signature(cls.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+_CACHE_KWARGS: dict[type, str] = {}
 
 
 def layer_kv(past: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
