@@ -164,8 +164,16 @@ class SegmentIndex:
         if entry.kind == PUT:
             if current is None and self.deleted.get(entry.key, -1) >= entry.stamp:
                 return False
-            if entry.seg_id not in self.sizes:
-                return False  # its segment is gone
+            if entry.seg_id not in self.sizes:  # its segment is gone
+                # NOTE: compacted (its record moved, under the same stamp, into a journal
+                # this look may not have read yet) or removed: either way the key's record
+                # here is older than the journals say. Forgotten, it is a miss until a look
+                # binds the move; kept, the older version was served (a stress found it,
+                # where a look ran out of passes while compactions went on)
+                if current is not None and _outranks(entry, current):
+                    self.unbind(entry.key)
+                    return True
+                return False
             self.bind(entry)
             return True
         self.deleted[entry.key] = max(entry.stamp, self.deleted.get(entry.key, -1))
@@ -178,12 +186,13 @@ class SegmentIndex:
         self.sizes = dict(scan.segments)
         self.read_to = dict(scan.read_to)
         torn = 0
+        segments = scan.segments
         for entry in scan.in_stamp_order():
-            if entry.kind == PUT and entry.offset + entry.length > scan.segments.get(
-                    entry.seg_id, -1):
-                torn += entry.seg_id in scan.segments
-                continue  # its segment is gone, or the record never landed whole
-            self.apply(entry)
+            if entry.kind == PUT and entry.seg_id in segments and \
+                    entry.offset + entry.length > segments[entry.seg_id]:
+                torn += 1
+                continue  # the record never landed whole: the older one is the latest
+            self.apply(entry)  # (its segment gone: the key's older record is forgotten)
         return torn
 
     def merge_segments(self, scan: JournalScan, before: set[int], newest: int) -> list[int]:
