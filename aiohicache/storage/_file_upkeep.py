@@ -79,7 +79,6 @@ class _FileUpkeep:
             self._executor = self._executor or ThreadPoolExecutor(
                 self._queue.limit, thread_name_prefix="aiohicache-file")
             await finish_then_cancel(self._scan())
-            self._started = True
 
     async def _scan(self) -> None:
         try:
@@ -95,6 +94,9 @@ class _FileUpkeep:
                                f"{exc}") from exc
         self._stats.evicted_pages += len(deletes)
         self._stats.extra["orphans_removed"] = orphans
+        # NOTE: here, in the scan's task: a caller cancelled meanwhile never got to mark it,
+        # and the next call scanned again (the start's evictions journaled twice)
+        self._started = True
         logger.info("storage: %s holds %d objects (%d bytes) in %d segments; removed %d "
                     "orphans", self.root_dir, len(self._budget), self._budget.used_bytes,
                     len(self._index.sizes), orphans)

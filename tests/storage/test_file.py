@@ -596,3 +596,28 @@ async def test_a_span_of_more_records_than_one_call_takes_is_read_whole(
         buffers = [bytearray(8) for _ in keys]
         assert await backend.get_into(keys, [memoryview(b) for b in buffers]) == [True] * 1500
         assert buffers == payloads
+
+
+async def test_a_start_cancelled_mid_scan_is_not_made_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first call cancelled while the store started: the scan ran to its end, but the
+    store was not marked started, so the next call scanned again (journaling the start's
+    evictions twice, counting them twice) (a review)."""
+    keys = make_keys(3)
+    async with FileBackend(tmp_path, FMT) as first:
+        await first.set_from(keys, pages(keys))
+    scans, real = [], file_module._scan_dir
+
+    def slow_scan(root: str, index: Any) -> Any:
+        scans.append(root)
+        time.sleep(0.2)
+        return real(root, index)
+    monkeypatch.setattr(file_module, "_scan_dir", slow_scan)
+    backend = FileBackend(tmp_path, FMT, capacity_bytes=2 * OBJECT)
+    try:
+        with anyio.move_on_after(0.05):
+            await backend.exists(keys)
+        assert await backend.exists(keys) == 2  # the budget kept the first 2 (the newest)
+        assert len(scans) == 1 and backend.stats().evicted_pages == 1
+    finally:
+        await backend.aclose()
