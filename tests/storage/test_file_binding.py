@@ -65,7 +65,9 @@ async def test_a_write_moved_by_another_instance_before_it_was_bound_is_served(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another instance compacted the writer's sealed segment, moving the new record, and
     the writer read that move before binding its write: binding the record where it was
-    written (gone) dropped the key at the next look."""
+    written (gone) dropped the key at the next look. (And then, kept on the move, the
+    removed segment was sized again: counted by `stats()`, dropped by no look, the first
+    victim the compactor picked, to find it gone and mark it busy; a review.)"""
     k = make_keys(1, seed=41)
     async with FileBackend(tmp_path, FMT) as writer, \
             FileBackend(tmp_path, FMT, refresh_interval=0.0) as other:
@@ -82,6 +84,11 @@ async def test_a_write_moved_by_another_instance_before_it_was_bound_is_served(
         assert await writer.exists(k) == 1
         assert await read(writer, k) == written(k)
         assert await read(other, k) == written(k)
+        assert victim not in writer._index.sizes
+        on_disk = await anyio.to_thread.run_sync(lambda: len(list(tmp_path.glob("*.seg"))))
+        assert writer.stats().extra["segments"] <= on_disk
+        await writer._maybe_compact()
+        assert victim not in writer._busy  # never tried: it is not there
     assert await served_after_restart(tmp_path, k) == written(k)
 
 
@@ -168,36 +175,6 @@ async def test_a_delete_made_while_a_look_merges_the_key_waits_for_the_merge(
             assert await store.delete([k]) == 1
         assert await read(store, [k, k0]) == [None, *written([k0])]
     assert await served_after_restart(tmp_path, [k, k0]) == [None, *written([k0])]
-
-
-async def test_a_write_moved_before_it_was_bound_leaves_no_removed_segment_in_the_index(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The writer learns the move, then binds its write: the key stays on the move (right),
-    but the removed segment the write landed in is sized again. No key is bound in it, so no
-    read misses it and no look drops it: it stays, counted by `stats()`, and it is the first
-    victim the compactor picks (all dead), which fails (the file is gone) and marks it busy
-    instead of compacting a real one."""
-    k = make_keys(1, seed=51)
-    async with FileBackend(tmp_path, FMT) as writer, \
-            FileBackend(tmp_path, FMT, refresh_interval=0.0) as other:
-        held = defer_binding_of(k[0], monkeypatch)
-        await writer.set_from(k, pages(k))
-        writer._appender.close()
-        victim = held[0][1][0].seg_id
-        await other._refresh(force=True)
-        assert await other._compact(victim)  # moved, and the segment removed
-        await writer._refresh(force=True)  # learns the move
-        monkeypatch.undo()
-        for run, entries in held:
-            real_finish(run, entries)
-        assert await read(writer, k) == written(k)  # served (no look needed: indexed)
-        assert not (tmp_path / f"{victim:016x}.seg").exists()
-        assert victim not in writer._index.sizes
-        on_disk = await anyio.to_thread.run_sync(lambda: len(list(tmp_path.glob("*.seg"))))
-        assert writer.stats().extra["segments"] <= on_disk
-        await writer._maybe_compact()
-        assert victim not in writer._busy  # never tried: it is not there
-    assert await served_after_restart(tmp_path, k) == written(k)
 
 
 async def test_two_instances_that_stamp_a_key_alike_serve_the_same_version(

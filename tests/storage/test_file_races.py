@@ -8,10 +8,11 @@ A second review (2026-11-24) found each of these; every test failed before its f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -45,6 +46,32 @@ def slow_writes_of(key: str, seconds: float, times: int = 1 << 30) -> Callable[.
             time.sleep(seconds)
         return real_write_run(appender, fmt, keys, *args)
     return write_run
+
+
+@contextlib.contextmanager
+def compacting_before_the_listing(monkeypatch: pytest.MonkeyPatch, compactor: FileBackend,
+                                  victim: int) -> Iterator[list[bool]]:
+    """Within: the next look (of any instance) reads the journals, then `compactor`
+    compacts `victim` (planned now, from its index), then the look lists the segments.
+    Yields a list that is empty once the compaction ran."""
+    known = 1 << 62 if victim in compactor._appender.created_ids() else \
+        compactor._index.read_to.get(victim, 0)
+    locked = _appender.lock_segment(compactor.root_dir, victim, known)
+    assert locked is not None
+    fd, (log, unseen) = locked
+    moves, keep = compactor._index.compaction_plan(victim, log, unseen)
+    real_list, armed = seg._list, [True]
+
+    def list_after_a_compaction(root: str, segments: Any = None) -> list[int]:
+        if segments is not None and armed.pop() if armed else False:
+            _appender.compact(compactor._appender, fd, victim, moves, keep)
+        return real_list(root, segments)
+    monkeypatch.setattr(seg, "_list", list_after_a_compaction)
+    try:
+        yield armed
+    finally:
+        os.close(fd)
+        monkeypatch.setattr(seg, "_list", real_list)
 
 
 # ---------------------------------------------------------------------------- writes
@@ -424,21 +451,8 @@ async def test_a_compaction_between_reading_the_journals_and_listing_the_segment
         a._appender.close()  # sealed: compactable
         assert await b.exists(xs) == 8
         victim = a._index.entries[xs[0]].seg_id
-        locked = _appender.lock_segment(str(tmp_path), victim, 1 << 62)
-        assert locked is not None
-        fd, (log, unseen) = locked
-        moves, keep = a._index.compaction_plan(victim, log, unseen)
-        real_list, armed = seg._list, [True]
-
-        def list_after_a_compaction(root: str, segments: Any = None) -> list[int]:
-            if segments is not None and armed.pop() if armed else False:
-                _appender.compact(a._appender, fd, victim, moves, keep)
-            return real_list(root, segments)
-        monkeypatch.setattr(seg, "_list", list_after_a_compaction)
-        try:
+        with compacting_before_the_listing(monkeypatch, a, victim) as armed:
             assert await b.exists(make_keys(1, seed=36)) == 0  # a look, A compacting
-        finally:
-            os.close(fd)
         assert not armed and not (tmp_path / f"{victim:016x}.seg").exists()
         assert all(x in b._index for x in xs)  # moved, not dropped until another look
         assert await read(b, xs) == written(xs)
@@ -484,21 +498,8 @@ async def test_a_newer_write_whose_segment_a_look_found_gone_is_not_served_older
         w._appender.close()
         victim = w._index.entries[k[0]].seg_id
         await x._refresh(force=True)
-        locked = _appender.lock_segment(str(tmp_path), victim, x._index.read_to.get(victim, 0))
-        assert locked is not None
-        fd, (log, unseen) = locked
-        moves, keep = x._index.compaction_plan(victim, log, unseen)
-        real_list, armed = seg._list, [True]
-
-        def list_after_a_compaction(root: str, segments: Any = None) -> list[int]:
-            if segments is not None and armed.pop() if armed else False:
-                _appender.compact(x._appender, fd, victim, moves, keep)
-            return real_list(root, segments)
-        monkeypatch.setattr(seg, "_list", list_after_a_compaction)
-        try:
+        with compacting_before_the_listing(monkeypatch, x, victim) as armed:
             assert await r.exists(make_keys(1, seed=47)) == 0  # a look, X compacting
-        finally:
-            os.close(fd)
         assert not armed
         monkeypatch.undo()
         assert await read(r, k) == written(k, version=2)  # looks again: the move
