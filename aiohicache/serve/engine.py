@@ -9,6 +9,8 @@ KV never holds up another's compute.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -18,6 +20,7 @@ from types import TracebackType
 from typing import Protocol, Self
 
 import anyio
+import anyio.to_thread
 import torch
 import xxhash
 from transformers import DynamicCache, PreTrainedModel
@@ -181,7 +184,10 @@ class Engine:
         self.config = config
         self.name = name
         self.metrics = Metrics()
-        self.cache = HiCache(cache_config(model, config)) if config.use_cache else None
+        if config.use_cache:  # NOTE: checked now (a bad config raises here); made when opened
+            cache_config(model, dataclasses.replace(config, namespace=config.namespace or "-"))
+        self.cache: HiCache | None = None
+        """The cache (None: `use_cache` off, or not opened yet)."""
         # NOTE: an executor of its own, not anyio.to_thread with a limiter: cached passes run
         # through `HFAdapter(executor=...)` (a public argument: callers pick the thread a
         # model runs on) and uncached ones through `_run`, and one executor bounds both
@@ -195,7 +201,13 @@ class Engine:
     async def __aenter__(self) -> Self:
         if self.config.torch_threads is not None:
             torch.set_num_threads(self.config.torch_threads)
-        if self.cache is not None:
+        if self.config.use_cache:
+            # NOTE: on a thread: the digest reads every byte of the weights (about 0.1 s a
+            # GB), which held the loop of whoever built an engine in a coroutine
+            namespace = self.config.namespace or await anyio.to_thread.run_sync(
+                weights_namespace, self.model)
+            self.cache = HiCache(cache_config(
+                self.model, dataclasses.replace(self.config, namespace=namespace)))
             await self.cache.__aenter__()
             self._adapter = HFAdapter(self.model, self.cache, executor=self._executor)
         return self
@@ -356,7 +368,16 @@ def weights_namespace(model: PreTrainedModel) -> str:
     each other's KV (a review found it). About 0.1 s a GB of weights, once per engine.
     """
     digest = xxhash.xxh3_128()
-    for name, tensor in model.state_dict().items():
+    # NOTE: the config too (RoPE theta and scaling, norms' eps: KV differs under one set of
+    # weights), less where it was loaded from; and every buffer: `state_dict` leaves out the
+    # non-persistent ones (a Llama's rotary `inv_freq`)
+    config = model.config.to_dict()
+    config.pop("_name_or_path", None)
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    tensors = dict(model.state_dict())
+    for name, buffer in model.named_buffers():
+        tensors.setdefault(name, buffer)
+    for name, tensor in tensors.items():
         flat = tensor.detach().reshape(-1).contiguous().cpu()
         digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
         digest.update(flat.view(torch.uint8).numpy())

@@ -100,7 +100,7 @@ class SegmentIndex:
         # NOTE: the same stamp and origin: this very write, moved by another instance's
         # compaction, which removed the segment it was written into (not sized again)
         moved = current is not None and current.stamp == entry.stamp and \
-            current.origin == entry.origin
+            current.origin in (entry.origin, 0)  # 0: moved by an earlier version
         if moved or (current is not None and _outranks(current, entry)) or \
                 self.deleted.get(entry.key, -1) > entry.stamp:
             if not moved and entry.seg_id not in self.gone:
@@ -314,8 +314,15 @@ class SegmentIndex:
 
 def _outranks(a: Entry, b: Entry) -> bool:
     """Whether PUT `a` wins over PUT `b`: the later stamp, and on a tie (two instances
-    that merged the same newest stamp stamp alike) the greater origin, as everywhere."""
-    return (a.stamp, a.origin) > (b.stamp, b.origin)
+    that merged the same newest stamp stamp alike) the greater origin, as everywhere.
+
+    NOTE: origin 0 is unknown (an entry journaled by an earlier version, a compaction's
+    move included): it neither wins nor loses a tie, so the entry applied later wins, as
+    before origins. Taken as the least origin, an earlier version's move of a page lost
+    the tie to the record it moved, and the page went with the moved-from segment."""
+    if a.stamp != b.stamp:
+        return a.stamp > b.stamp
+    return 0 < b.origin < a.origin
 
 
 def _same_record(a: Entry, b: Entry) -> bool:
