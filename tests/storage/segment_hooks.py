@@ -47,8 +47,7 @@ def latest_entries(root: str | Path) -> dict[str, Entry]:
     """The winning entry of every key, as a new instance would load them."""
     scan = _journal.read_journals(os.fspath(root), {})
     out: dict[str, Entry] = {}
-    for entry in sorted((e for _, batch in scan.entries for e in batch),
-                        key=lambda e: e.stamp):
+    for entry in scan.in_stamp_order():  # ties of stamps as the store breaks them
         out[entry.key] = entry
     return {k: e for k, e in out.items() if e.kind == PUT}
 
