@@ -130,6 +130,15 @@ class RedisBackend:
         self._info_at = -math.inf
         self._memory: tuple[int | None, int | None] = (None, None)
         """(maxmemory, used_memory) as last seen; maxmemory None: no limit."""
+        self._calls = 0
+        """Calls in flight: `aclose` closes the pool once none is left."""
+        self._idle: anyio.Event | None = None
+        # NOTE: redis-py's BlockingConnectionPool waits on an asyncio.Condition, which
+        # (Python 3.11) drops a wake-up whose waiter is cancelled before it runs: the next
+        # waiter then waited forever beside a free connection. anyio's semaphore passes such
+        # a wake-up on, so callers wait here and the pool has a connection for each holder.
+        self._connections = anyio.Semaphore(max_connections)
+        """Held by each command or pipeline sent (at most `max_connections`)."""
         self._client = self._connect(url, socket_timeout=socket_timeout,
                                      connect_timeout=connect_timeout,
                                      max_connections=max_connections, retries=retries)
@@ -170,10 +179,11 @@ class RedisBackend:
 
         Cancellation: nothing to undo; the connection in use is dropped.
         """
-        self._check_open()
-        with self._translate(StorageError, "ping"):
-            await self._client.ping()
-        await self._look_at_memory()
+        with self._in_flight():
+            with self._translate(StorageError, "ping"):
+                async with self._connections:
+                    await self._client.ping()
+            await self._look_at_memory()
 
     async def _look_at_memory(self) -> None:
         """Record the server's ``maxmemory`` and ``used_memory`` (errors are not counted:
@@ -190,18 +200,30 @@ class RedisBackend:
         self._memory = (extra["max_bytes"] or None, extra["used_bytes"])
 
     async def _memory_info(self) -> list[dict[str, object]]:
-        return [await self._client.info("memory")]
+        async with self._connections:
+            return [await self._client.info("memory")]
 
     async def aclose(self) -> None:
-        """Close every connection; idempotent. Later calls raise `ClosedError`.
+        """Close every connection once the calls in flight have ended (each ends within its
+        timeouts); idempotent. Later calls raise `ClosedError`.
 
-        Cancellation: the pool is still closed (shielded); then the cancellation propagates.
+        Cancellation: the calls in flight are still waited for and the pool closed
+        (shielded); then the cancellation propagates.
         """
         if self._closed:
             return
         self._closed = True
-        await finish_then_cancel(self._client.aclose())
+        await finish_then_cancel(self._close_when_idle())
         log.debug("redis backend %s closed", self.url)
+
+    async def _close_when_idle(self) -> None:
+        # NOTE: the pool closed under a call in flight failed that call with redis-py's own
+        # AttributeError (its writer gone mid-send), or the call's retry opened a connection
+        # that nothing closed
+        if self._calls:
+            self._idle = anyio.Event()
+            await self._idle.wait()
+        await self._client.aclose()
 
     def __del__(self, _warn: object = warnings.warn) -> None:
         # Don't try to do more here: the event loop may already be gone.
@@ -234,7 +256,7 @@ class RedisBackend:
         names = self._names(keys)
         self._stats.exists_calls += 1
         found = 0
-        with self._translate(StorageReadError, "exists"):
+        with self._in_flight(), self._translate(StorageReadError, "exists"):
             for lo in range(0, len(names), self.max_batch):
                 replies = await self._pipelined(names[lo:lo + self.max_batch],
                                                 lambda pipe, name, _: pipe.exists(name))
@@ -261,7 +283,7 @@ class RedisBackend:
         """
         names = self._names(keys)
         views = check_buffers(self.fmt, keys, buffers, to_fill=True)
-        with self._translate(StorageReadError, "get"):
+        with self._in_flight(), self._translate(StorageReadError, "get"):
             blobs: list[Blob] = []
             for lo, hi in self._page_ranges(len(names)):
                 blobs += await self._mget(names[lo:hi])
@@ -290,9 +312,9 @@ class RedisBackend:
         names = self._names(keys)
         views = check_buffers(self.fmt, keys, buffers)
         stored: list[bool] = []
-        if time.monotonic() - self._info_at > _INFO_INTERVAL_S:
-            await self._look_at_memory()
-        with self._translate(StorageWriteError, "set"):
+        with self._in_flight(), self._translate(StorageWriteError, "set"):
+            if time.monotonic() - self._info_at > _INFO_INTERVAL_S:
+                await self._look_at_memory()  # NOTE: it raises nothing
             for lo, hi in self._page_ranges(len(names)):
                 objects = await self._off_loop(hi - lo, encode_objects, self.fmt, keys[lo:hi],
                                                views[lo:hi])
@@ -314,10 +336,11 @@ class RedisBackend:
         """
         names = self._names(keys)
         removed = 0
-        with self._translate(StorageWriteError, "delete"):
+        with self._in_flight(), self._translate(StorageWriteError, "delete"):
             for lo in range(0, len(names), self.max_batch):
                 self._count_round_trip(1)
-                removed += await self._client.delete(*names[lo:lo + self.max_batch])
+                async with self._connections:
+                    removed += await self._client.delete(*names[lo:lo + self.max_batch])
         self._stats.pages_deleted += removed
         return removed
 
@@ -326,6 +349,18 @@ class RedisBackend:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"{self!r} is closed")
+
+    @contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        """Count a call in flight (`ClosedError` if closed): `aclose` waits for it."""
+        self._check_open()
+        self._calls += 1
+        try:
+            yield
+        finally:
+            self._calls -= 1
+            if not self._calls and self._idle is not None:
+                self._idle.set()
 
     def _names(self, keys: Sequence[str]) -> list[str]:
         self._check_open()
@@ -361,13 +396,15 @@ class RedisBackend:
     async def _execute(self, pipe: Pipeline | ClusterPipeline, *,
                        raise_on_error: bool = True) -> list[object]:
         self._count_round_trip(len(pipe))
-        replies: list[object] = await pipe.execute(raise_on_error=raise_on_error)
+        async with self._connections:
+            replies: list[object] = await pipe.execute(raise_on_error=raise_on_error)
         return replies
 
     async def _mget(self, names: list[str]) -> list[Blob]:
         self._count_round_trip(len(names))
         # decode_responses is off: values come back as bytes (or None where absent).
-        return cast(list[Blob], await self._client.mget(names))
+        async with self._connections:
+            return cast(list[Blob], await self._client.mget(names))
 
     async def _set_pipeline(self, names: list[str], objects: list[memoryview]) -> list[bool]:
         replies = await self._pipelined(

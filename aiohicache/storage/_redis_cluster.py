@@ -243,7 +243,7 @@ class RedisClusterBackend(RedisBackend):
         """
         names = self._names(keys)
         removed = 0
-        with self._translate(StorageWriteError, "delete"):
+        with self._in_flight(), self._translate(StorageWriteError, "delete"):
             # NOTE: `max_batch` names a round, as the other calls: 10k DELs in one round held
             # the loop about 170 ms (building, sending and parsing every node's pipeline)
             for lo in range(0, len(names), self.max_batch):
@@ -255,9 +255,30 @@ class RedisClusterBackend(RedisBackend):
         return removed
 
     async def _memory_info(self) -> list[dict[str, object]]:
+        """Each primary's ``INFO memory``, all at once, each within the node's
+        `max_connections`; the first error if any node failed.
+
+        NOTE: redis-py's INFO to every primary took a connection of each past the limit,
+        and a pipeline then found its node's pool empty (MaxConnectionsError: a node lost).
+        """
         client = cast(RedisCluster, self._client)
-        replies = await client.info("memory", target_nodes=RedisCluster.PRIMARIES)
-        return list(cast(dict[str, dict[str, object]], replies).values())
+        await client.initialize()
+        replies: list[dict[str, object]] = []
+        errors: list[Exception] = []
+
+        async def one(node: ClusterNode) -> None:
+            try:
+                async with self._slots(node.name):
+                    replies.append(await client.info("memory", target_nodes=node))
+            except _CLIENT_ERRORS as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for node in client.get_primaries():
+                tg.start_soon(one, node)
+        if errors:
+            raise errors[0]
+        return replies
 
 
 

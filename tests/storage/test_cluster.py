@@ -381,3 +381,28 @@ def _wait_joined(cluster: LocalCluster, joining: RedisServer, timeout: float = 1
             return
         assert time.monotonic() < deadline, "the new node never joined"
         time.sleep(0.1)
+
+
+async def test_the_memory_look_stays_within_max_connections(
+        cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """INFO (the look at `maxmemory`) took a connection of each primary past its
+    `max_connections`: a pipeline to a node whose one connection it held failed at once
+    (MaxConnectionsError, counted as a node lost; a StorageError for a batch on that node
+    alone). Found by ``python -m tests.storage.stress_redis SEED SECONDS cluster``."""
+    keys = make_keys(1, seed=31)
+    async with RedisClusterBackend(cluster.url(), FMT, max_connections=1) as backend:
+        assert await backend.set_from(keys, pages(keys)) == [True]
+        owner = backend._client.get_node_from_key(backend.key_prefix + keys[0])
+        server = next(n for n in cluster.nodes if n.port == owner.port)
+        monkeypatch.setattr(redis_module, "_INFO_INTERVAL_S", 0.0)
+        server.pause()  # NOTE: far shorter than the node timeout: no failover
+        try:
+            writing = asyncio.ensure_future(backend.set_from(keys, pages(keys)))
+            await asyncio.sleep(0.1)  # its INFO holds the node's one connection
+            reading = asyncio.ensure_future(read(backend, keys))
+            await asyncio.sleep(0.1)
+        finally:
+            server.resume()
+        assert await reading == [make_page(keys[0])]
+        assert await writing == [True]
+        assert backend.stats().errors == 0
