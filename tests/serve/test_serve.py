@@ -232,12 +232,19 @@ async def test_a_local_checkpoint_serves_through_the_cache(tmp_path: Path) -> No
             assert got["model"] == "ckpt"
 
 
+_WITH_CTRL_C = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                "runpy.run_module('aiohicache', run_name='__main__', alter_sys=True)")
+"""``python -m aiohicache`` with Ctrl-C handled as in a terminal. NOTE: a process started
+with SIGINT ignored (as a shell's background job is, and a CI run launched as one was) keeps
+ignoring it, as it should: the Ctrl-C test then saw a stream run its 25 s out."""
+
+
 @contextlib.contextmanager
 def serve_command(*args: str, **env: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """`aiohicache serve` in a subprocess (tiny model, port 0), until it printed its URL:
     the process and the URL. Killed at the end if it is still running."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "aiohicache", "serve", "--port", "0", "--l1", "4096", *args],
+        [sys.executable, "-c", _WITH_CTRL_C, "serve", "--port", "0", "--l1", "4096", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
     try:
