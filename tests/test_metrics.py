@@ -136,6 +136,22 @@ async def test_l3_hits_and_byte_histograms_after_a_prefetch(tmp_path: object) ->
     assert got[("aiohicache_storage_prefetched_pages_total", ())] == 4
 
 
+async def test_l3_store_bytes_count_only_the_pages_the_store_took() -> None:
+    """A store refuses an object larger than its whole budget (a miss later, nothing
+    lost); the byte histogram is what moved into L3, as the load side's is what arrived."""
+    cfg0 = make_config(**L3)
+    page = cfg0.page_bytes
+    store = MemoryBackend(page_format(cfg0), capacity_bytes=page)  # < page + header
+    async with HiCache(make_config(storage=store, backup_threshold=1, **L3)) as cache:
+        await prefill(cache, make_tokens(16))  # 4 pages offered in one backup
+        await cache.drain()
+        got = samples(render(cache))
+        held = store.stats().used_bytes
+    assert held == 0
+    assert got[("aiohicache_kv_store_bytes_count", (("tier", "L3"),))] >= 1
+    assert got[("aiohicache_kv_store_bytes_sum", (("tier", "L3"),))] == 0
+
+
 async def test_a_registry_can_be_scraped_before_the_cache_opens() -> None:
     cache = make_cache()
     got = samples(render(cache))

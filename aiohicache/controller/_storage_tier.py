@@ -339,7 +339,8 @@ class StorageTier(TPResults):
             done = await self.backend.set_from([keys[i].hex() for i in pick], buffers.views)
             for i, good in zip(pick, done, strict=True):
                 ok[i] = bool(good)
-            self.histograms.observe_store(len(pick) * self.config.page_bytes,
+            stored = sum(map(bool, done))  # refused pages moved no bytes into L3
+            self.histograms.observe_store(stored * self.config.page_bytes,
                                           time.perf_counter() - start)
             self.breaker.record_success()
         else:  # another rank writes these (MLA): nothing was asked of the backend
