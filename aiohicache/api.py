@@ -176,6 +176,8 @@ class HiCache:
         if self._core.state == "new":
             self._core.state = "closed"
             self.host_pool.close()
+            if (hub := getattr(self, "_event_hub", None)) is not None:
+                hub.close()  # streams made before opening end too
         if self._core.state == "closed" and self._closer is None:
             return
         if self._closer is None:

@@ -233,7 +233,10 @@ class Prefill:
     """Prompt tokens whose KV came from the cache (not computed)."""
     num_prompt_tokens: int
     tail_slots: torch.Tensor
-    """Slots of the prompt's partial last page (leased to the context, empty if none)."""
+    """Slots of the prompt's partial last page (leased to the context, empty if none); after
+    `HFAdapter.commit_decoded`, of the committed sequence's partial last page."""
+    num_committed_tokens: int
+    """Tokens whose KV the context holds: the prompt, then what `commit_decoded` committed."""
 
 
 class HFAdapter:
@@ -305,7 +308,7 @@ class HFAdapter:
         tail = len(ids) % self.cache.config.page_size
         return Prefill(logits, past, reuse, len(ids),
                        slots[len(slots) - tail:] if slots is not None and tail else
-                       torch.empty(0, dtype=torch.int64))
+                       torch.empty(0, dtype=torch.int64), len(ids))
 
     async def _run_gated(self, hit: FetchContext, link: _PoolLink, past: PoolCache,
                          new: list[int], all_logits: bool) -> torch.Tensor:
@@ -349,28 +352,46 @@ class HFAdapter:
                              tokens: Sequence[int]) -> None:
         """Store and commit the KV of decoded tokens, so a next turn can hit it.
 
+        May be called again as decoding goes on: each call commits what was fed since the
+        last one (`prefill` keeps track).
+
         Args:
             hit: the context `prefill` ran in (still open).
             prefill: its result; its ``past_key_values`` has been decoded on since.
             tokens: the prompt followed by the tokens fed to the model since (each decoded
                 token but the last, whose KV was never computed).
 
+        Raises:
+            ConfigError: `hit` is not the context `prefill` ran in, or it committed other
+                tokens since (nothing is written).
+
         Cancellation: as `FetchContext.allocate` and `commit`; a copy into the pool under
         way finishes on its thread first.
         """
         ids = [int(t) for t in tokens]
-        fed = len(ids) - prefill.num_prompt_tokens
+        done = prefill.num_committed_tokens
+        fed = len(ids) - done
         if fed <= 0:
             return
+        # NOTE: the partial page's slots are ours only while the context still leases them:
+        # once a commit took that page (and freed it as a duplicate) they may be another
+        # prefix's; a second call with the prompt's tail slots wrote into them.
+        start = done - len(prefill.tail_slots)
+        if hit.num_cached_tokens != start:
+            raise ConfigError(f"hit: holds {hit.num_cached_tokens} committed tokens, the "
+                              f"prefill {start}: not its context, or it committed since")
         slots = torch.cat([prefill.tail_slots.to(self.cache.device_pool.device),
                            await hit.allocate(fed)])
-        start = prefill.num_prompt_tokens - len(prefill.tail_slots)
         # NOTE: on the executor, as the passes: every layer's K/V of the decoded tokens
         # (2k tokens of a Llama-8B-sized spec on CPU: about 90 ms) held the loop
         await finish_then_cancel(submit_to_thread(
             self._executor(), self._store_decoded, prefill.past_key_values, slots,
             slice(start, len(ids))).wait())
         await hit.commit(ids, slots)
+        rest = len(ids) % self.cache.config.page_size
+        prefill.tail_slots = slots[len(slots) - rest:] if rest else \
+            torch.empty(0, dtype=torch.int64)
+        prefill.num_committed_tokens = len(ids)
 
     def _store_decoded(self, past: DynamicCache, slots: torch.Tensor, span: slice) -> None:
         pool = self.cache.device_pool

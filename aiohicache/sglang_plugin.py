@@ -16,9 +16,9 @@ as they expect while the loop serves them all concurrently.
 
 Each SGLang page is one store object of the host pool's flat page bytes, under a key derived
 from SGLang's page hash, the model, the TP shard (MLA: one copy for all ranks) and, where they
-are split, the pipeline stage and attention-CP rank. Its header binds the key, the model and
-the page layout, and a checksum covers the payload (`aiohicache.storage.base`): a damaged,
-moved or foreign object is a miss.
+are split, the pipeline stage and attention-CP rank, and the page format (dtype, shape,
+layout, page size). Its header binds the key, the model and the page layout, and a checksum
+covers the payload (`aiohicache.storage.base`): a damaged, moved or foreign object is a miss.
 """
 
 from __future__ import annotations
@@ -130,6 +130,9 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
                                       low=0)
         shard = _shard(storage_config)
         self.namespace = f"sglang|{getattr(storage_config, 'model_name', None) or ''}|{shard}"
+        self._key_prefix = self.namespace.encode() + b"|"
+        """What a store key binds besides SGLang's page hash: the namespace, and (once the
+        host pool is registered) the page format."""
         self.mem_pool_host: Any = None
         self._page_dtype = torch.uint8
         self._backend: StorageBackend | None = None
@@ -151,10 +154,15 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         page = mem_pool_host.get_dummy_flat_data_page()
         self._page_dtype = page.dtype  # NOTE: asked once: each call makes a page
         layout = getattr(mem_pool_host, "layout", "?")
+        spec = f"sglang|{page.dtype}|{tuple(page.shape)}|{layout}"
         fmt = PageFormat.make(
             namespace=self.namespace, page_size=int(mem_pool_host.page_size),
-            spec_fingerprint=f"sglang|{page.dtype}|{tuple(page.shape)}|{layout}",
-            payload_bytes=page.numel() * page.element_size())
+            spec_fingerprint=spec, payload_bytes=page.numel() * page.element_size())
+        # NOTE: the format is in the key, not only in the header: a deployment of the same
+        # model with another layout or KV dtype over this store counted our pages as present
+        # (then failed to read them) and overwrote them with its own.
+        self._key_prefix = (f"{self.namespace}|{spec}|page={int(mem_pool_host.page_size)}|"
+                            .encode())
 
         async def build() -> StorageBackend:  # on the loop: a store may bind to it
             return backend_from_url(self.url, fmt, **self.options)
@@ -226,6 +234,8 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
         targets = list(target_locations or [None] * len(keys))
+        if len(targets) != len(keys):
+            raise ConfigError(f"target_locations: {len(targets)} for {len(keys)} keys")
         staging = self._staging(len(keys))
         _check_targets(targets, staging.shape[1], self._page_dtype)
         ok = self._call("get", lambda b: b.get_into(self._keys(keys), _views(staging)),
@@ -286,8 +296,9 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
     # ---------------------------------------------------------------- internals
 
     def _keys(self, keys: Sequence[str]) -> list[str]:
-        """Store keys: SGLang's page hash bound to this model and shard, as 64 hex digits."""
-        prefix = self.namespace.encode() + b"|"
+        """Store keys: SGLang's page hash bound to this model, shard and page format, as 64
+        hex digits."""
+        prefix = self._key_prefix
         return [hashlib.blake2b(prefix + k.encode(), digest_size=32).hexdigest() for k in keys]
 
     def _staging(self, num_pages: int) -> torch.Tensor:
