@@ -58,6 +58,8 @@ class FetchContext:
 
     @property
     def tokens(self) -> np.ndarray:
+        """The fetched tokens (extended by commits), read-only: commits are checked
+        against them, so an edit would pass a commit of other tokens over the cached KV."""
         return self._req.tokens
 
     @property
@@ -167,7 +169,7 @@ class FetchContext:
         req.check_active()
         check_count(num_tokens)
         pool = req.core.device_pool
-        tail = req.tail  # NOTE: restored if the await below is cancelled
+        tail = req.tail  # NOTE: given back if the await below fails or is cancelled
         head, rest = req.take_tail(num_tokens)
         if rest == 0:
             assert head is not None
@@ -175,7 +177,8 @@ class FetchContext:
         try:
             pages = await lease(req.core, rest, req.owner, request=req)
         except BaseException:
-            req.tail = tail
+            if req.tail is None:  # unless another allocate started a page meanwhile
+                req.tail = tail
             raise
         req.check_active()  # TP: left meanwhile, by another task; its release frees them
         req.took_pages(pages, rest)

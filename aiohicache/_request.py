@@ -49,6 +49,7 @@ class Request:
 
     def __init__(self, core: Core, tokens: Tokens) -> None:
         self.core = core
+        tokens.flags.writeable = False  # shown as `FetchContext.tokens`: commits check it
         self.tokens = tokens
         self.owner = next(Request._owner_ids)
         self.pin: int | None = None
@@ -170,8 +171,9 @@ class Request:
         page, used = self.tail
         take = min(num_tokens, ps - used)
         head = torch.arange(page * ps + used, page * ps + used + take, dtype=torch.int64)
-        if take == num_tokens:
-            self.tail = (page, used + take) if used + take < ps else None
+        # taken now, even if new pages must still be leased: another allocate of this
+        # context running meanwhile must not get these slots too
+        self.tail = (page, used + take) if used + take < ps else None
         return head, num_tokens - take
 
     def lease_op(self, num_pages: int) -> Plan[PageIds]:
@@ -219,6 +221,7 @@ class Request:
             self.pages = concat_pages([n.device_pages
                                        for n in reversed(res.last_node.path_to_root())])
         if len(toks) > len(self.tokens):
+            toks.flags.writeable = False
             self.tokens = toks
         write = ctl.plan_write_through(res.last_node)
         if write is None:

@@ -15,7 +15,7 @@ await of the copies it planned.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
 
@@ -162,7 +162,11 @@ class HiCache:
                 started.set_result(None)
         except BaseException as exc:
             if not started.done():  # failed while starting: `__aenter__` raises it
-                started.set_exception(exc)
+                # cancelled here only by `aclose` (another task): the opener was not
+                # cancelled, so it must not see a CancelledError
+                started.set_exception(
+                    ClosedError("the cache was closed while it was opening")
+                    if isinstance(exc, anyio.get_cancelled_exc_class()) else exc)
             raise
 
     async def aclose(self) -> None:
@@ -198,16 +202,30 @@ class HiCache:
         assert self._runner is not None
         self._runner.cancel()
         await self._runner.done.settled()  # its failure, if any, is already in `health`
-        await ctl.close_receivers()
-        await ctl.engine.aclose()
+        # Every step runs even if one before it fails (an engine or a store that fails to
+        # close): the first failure is raised once the cache is closed.
+        failures: list[Exception] = []
+
+        async def attempt(step: Callable[[], Awaitable[None]]) -> bool:
+            try:
+                await step()
+            except Exception as exc:
+                failures.append(exc)
+                return False
+            return True
+        await attempt(ctl.close_receivers)
+        engine_closed = await attempt(ctl.engine.aclose)
         if self.storage is not None:
-            await self.storage.aclose()
-        self.host_pool.close()  # unpin: no copy uses it any more
+            await attempt(self.storage.aclose)
+        if engine_closed:  # else a copy may still use the host pool: leave it registered
+            self.host_pool.close()  # unpin: no copy uses it any more
         if self.tp_group is not None:
             self.tp_group.close()
         self._core.state = "closed"
         if (hub := getattr(self, "_event_hub", None)) is not None:
             hub.close()
+        if failures:
+            raise failures[0]
 
     def __del__(self, _warn: object = warnings.warn) -> None:
         # Don't try to do more here: the event loop may already be gone.

@@ -303,7 +303,7 @@ class HiCacheConfig:
         if "opt" in tiers:
             raise ConfigError("eviction: 'opt' (Belady) needs the future; only a replay has it "
                               "(aiohicache replay --eviction opt)")
-        if len(tiers) not in (1, 2):
+        if isinstance(self.eviction, tuple) and len(tiers) != 2:  # the tree unpacks a pair
             raise ConfigError(f"eviction: a name or a pair (L1, L2), got {self.eviction!r}")
         for name in tiers:
             check_choice("eviction", name, ("lru", "lfu", "arc"))

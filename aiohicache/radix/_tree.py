@@ -123,8 +123,11 @@ class RadixTree(TreeState):
     def _adopt_or_drop(self, node: Node, pages: PageIds, first: int, start: int,
                        res: InsertResult) -> None:
         theirs = pages[first:first + node.num_pages]
-        if first + node.num_pages <= start:
-            return  # the caller's own matched prefix
+        if first + node.num_pages <= start:  # the caller's own matched prefix
+            if node.device_pages is None or not np.array_equal(node.device_pages, theirs):
+                raise InvariantError("insert: the caller's matched prefix is not where "
+                                     "these tokens lead (tokens changed since the match?)")
+            return
         if first < start:
             raise InvariantError("insert: a node straddles the caller's matched prefix")
         if not node.on_device and node.parent is not None and (
