@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Self
 
+import anyio
 import numpy as np
 import torch
 
@@ -105,7 +106,13 @@ class FetchContext:
             raise ConfigError("tokens: must not be empty")
         req.entered = True
         if req.core.storage is not None:
-            req.hashed = await req.core.storage.hash_pages(req.tokens)
+            try:
+                req.hashed = await req.core.storage.hash_pages(req.tokens)
+            except anyio.get_cancelled_exc_class():
+                # NOTE: TP: a rank that got this cancellation later has queued the call:
+                # queue it here too, cancelled (its keys are then hashed at the tick)
+                await req.core.run().abandon(req.enter_op, undo=lambda _: req.release_op())
+                raise
         await req.core.run().call(req.enter_op, undo=lambda _: req.release_op())
         return self
 

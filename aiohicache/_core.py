@@ -56,6 +56,18 @@ class Core:
         ctl.check_healthy()
         return ctl
 
+    def check_op(self) -> Controller:
+        """`check_open` for a request operation. NOTE: with TP it runs at a tick, which may
+        come after this rank's `aclose` was called (the state says "closing" at once) yet
+        before the close in the op log: only the agreed close refuses it, on every rank."""
+        if self.tp is None:
+            return self.check_open()
+        if self.tp.closing:
+            raise ClosedError("the cache is closing")
+        ctl = self.open_controller()
+        ctl.check_healthy()
+        return ctl
+
     def open_controller(self) -> Controller:
         if self.controller is None:
             raise ClosedError("the cache is not open: use 'async with HiCache(config)'")

@@ -52,6 +52,11 @@ class Executor(Protocol):
     def post(self, fn: Callable[[], None]) -> None:
         """Run a release nobody waits for (with TP: at the next tick)."""
 
+    async def abandon(self, fn: Callable[[Op], Plan[T]],
+                      undo: Callable[[T], None] | None = None) -> None:
+        """The call to `fn` was cancelled before it reached the executor: with TP, make it
+        and cancel it (the ranks the cancellation reached later have made it); else nothing."""
+
 
 class LocalExecutor:
     """Runs operations on this event loop, as soon as they can finish."""
@@ -92,6 +97,10 @@ class LocalExecutor:
     def post(self, fn: Callable[[], None]) -> None:
         fn()
 
+    async def abandon(self, fn: Callable[[Op], Plan[T]],
+                      undo: Callable[[T], None] | None = None) -> None:
+        return
+
 
 class TickExecutor:
     """Runs operations through the consensus tick: on every rank, at the same point."""
@@ -100,8 +109,7 @@ class TickExecutor:
         self.consensus = consensus
         self.controller = controller
 
-    async def call(self, fn: Callable[[Op], Plan[T]],
-                   undo: Callable[[T], None] | None = None) -> T:
+    def _at_tick(self, fn: Callable[[Op], Plan[T]]) -> Callable[[Op], Any]:
         def at_tick(op: Op) -> Any:
             plan = fn(op)
             if plan is AGAIN:
@@ -109,9 +117,17 @@ class TickExecutor:
             for job in plan.jobs:  # launch order = plan order, the same on every rank
                 self.controller.launch_now(job)
             return plan.result
+        return at_tick
 
-        result: T = await self.consensus.call(at_tick, undo)
+    async def call(self, fn: Callable[[Op], Plan[T]],
+                   undo: Callable[[T], None] | None = None) -> T:
+        result: T = await self.consensus.call(self._at_tick(fn), undo)
         return result
+
+    async def abandon(self, fn: Callable[[Op], Plan[T]],
+                      undo: Callable[[T], None] | None = None) -> None:
+        if not self.consensus.finished.done():
+            await self.consensus.withdraw(self.consensus.submit(self._at_tick(fn), undo))
 
     def post(self, fn: Callable[[], None]) -> None:
         if self.consensus.finished.done():  # no more ticks: nothing to agree with

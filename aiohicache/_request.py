@@ -30,7 +30,7 @@ __all__ = ("Request", "alloc_op")
 def alloc_op(core: Core, num_pages: int, owner: int) -> Plan[PageIds]:
     """Lease `num_pages` device pages to `owner`, evicting as needed; AGAIN while copies in
     flight may still free some (write-backs in progress free their pages when they settle)."""
-    ctl = core.check_open()
+    ctl = core.check_op()
     pages = ctl.alloc_device(num_pages)
     if pages is None:
         if ctl.demoting_pages or not ctl.idle:
@@ -87,7 +87,7 @@ class Request:
     def enter_op(self, op: Op) -> Plan[None]:
         """Match, ask L3 for what follows (waiting per policy: AGAIN), pin, plan the loads."""
         core = self.core
-        ctl, storage = core.check_open(), core.storage
+        ctl, storage = core.check_op(), core.storage
         if self._prefetching is None:
             if core.tp is not None:  # only the TP digest reads it: not on every request
                 core.calls_crc = zlib.crc32(self.tokens.data, core.calls_crc)  # no copy
@@ -195,7 +195,7 @@ class Request:
     def commit_op(self, toks: Tokens, pages: PageIds) -> Plan[None]:
         """Insert `toks` (KV after the cached prefix in `pages`); plan the write-through."""
         core = self.core
-        ctl = core.check_open()
+        ctl = core.check_op()
         self.check_unreleased()
         ps = core.config.page_size
         num_full = len(toks) // ps

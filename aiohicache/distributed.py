@@ -106,10 +106,12 @@ class TPGroup:
         Cancellation: the collective cannot be recalled from the other ranks, so a cancelled
         call breaks the group (later calls raise `TPError`) once the thread has given up.
         """
-        if self._thread is None:
+        if self.size == 1:
             return values.copy()
         if self._broken is not None:
             raise TPError(f"{self!r} is broken: {self._broken}") from self._broken
+        if self._thread is None:  # closed by a cache that used the group before (a restart)
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiohicache-tp")
         try:
             return await run_in_thread(self._thread, self._reduce, values.copy())
         except TPError as exc:
@@ -139,9 +141,11 @@ class TPGroup:
         return result
 
     def close(self) -> None:
-        """Stop the collective thread (the process group itself stays the caller's)."""
+        """Stop the collective thread (the process group itself stays the caller's); a
+        later all-reduce (a new cache over this group) starts a new one."""
         if self._thread is not None:
             self._thread.shutdown(wait=False, cancel_futures=True)
+            self._thread = None
 
 
 class _LocalHub:

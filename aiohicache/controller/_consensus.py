@@ -33,7 +33,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from .._concurrency import Promise, Signal
+from .._concurrency import Promise, Signal, finish_then_cancel
 from .._stats import TPStats
 from ..config import HiCacheConfig
 from ..distributed import TPGroup
@@ -129,15 +129,28 @@ class Consensus:
         Cancellation: the op still runs on every rank (the logs must stay equal). A cancelled
         caller's op is followed in the log by one that undoes it (`undo(result)`), or drops it
         if it is still waiting, so a cancellation issued at the same point on every rank leaves
-        the same state everywhere.
+        the same state everywhere; the cancellation propagates once a tick has run that
+        (`withdraw`).
         """
         op = self.submit(fn, undo)
         try:
             return await op.future.wait()
         except anyio.get_cancelled_exc_class():
-            if not self.finished.done():
-                self.submit(lambda _: self._cancel(op))
+            await self.withdraw(op)
             raise
+
+    async def withdraw(self, op: Op) -> None:
+        """Undo (or drop) `op` by an op queued now, and wait until a tick has run that one.
+
+        NOTE: the wait runs through cancellations: the caller's next calls read state that
+        `op` changed (a context's cached pages, its partial page) without a tick, so when the
+        caller goes on, `op` must have run on this rank as on every other one, wherever
+        between the ticks the cancellation landed on each.
+        """
+        if self.finished.done():
+            return
+        cancel = self.submit(lambda _: self._cancel(op))
+        await finish_then_cancel(cancel.future.settled())
 
     def post(self, fn: Callable[[Op], Any], *, lazy: bool = True) -> Op:
         """Queue `fn` without waiting for it (errors are logged: the caller has gone on).
