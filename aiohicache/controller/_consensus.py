@@ -23,6 +23,7 @@ See docs/tensor-parallel.md for the argument that this cannot deadlock.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -76,7 +77,10 @@ class _Layout:
     DIGEST = 9
     DIGEST_LEN = 6
     NEG_DIGEST = DIGEST + DIGEST_LEN
-    STORAGE = NEG_DIGEST + DIGEST_LEN
+    CONFIG = NEG_DIGEST + DIGEST_LEN
+    CONFIG_LEN = 3
+    NEG_CONFIG = CONFIG + CONFIG_LEN
+    STORAGE = NEG_CONFIG + CONFIG_LEN
     STOPS = STORAGE + 3 * TP_SLOTS
     SIZE = STOPS + TP_SLOTS
 
@@ -91,6 +95,7 @@ class Consensus:
         self.controller = controller
         self.storage = storage
         self._digest = digest
+        self._config = config_fingerprint(config, storage is not None)
         self._log: deque[Op] = deque()      # submitted, not yet run
         self._waiting: list[Op] = []        # ran, returned AGAIN; run again every tick
         self._news = Signal()
@@ -246,6 +251,8 @@ class Consensus:
         digest = self._digest()
         v[L.DIGEST:L.DIGEST + L.DIGEST_LEN] = digest
         v[L.NEG_DIGEST:L.NEG_DIGEST + L.DIGEST_LEN] = [-d for d in digest]
+        v[L.CONFIG:L.NEG_CONFIG] = self._config
+        v[L.NEG_CONFIG:L.STORAGE] = [-c for c in self._config]
         if self.storage is not None:
             v[L.NEG_BYPASS] = -int(self.storage.tp_local_bypass())
             v[L.STORAGE:L.STOPS] = self.storage.tp_proposals()
@@ -273,6 +280,13 @@ class Consensus:
         if agreed[L.TICK] != -agreed[L.NEG_TICK]:
             raise DivergenceError(f"ranks are at different ticks ({agreed[L.TICK]}.."
                                   f"{-agreed[L.NEG_TICK]}): a collective was issued elsewhere")
+        differ = [name for i, name in enumerate(_CONFIG_GROUPS)
+                  if agreed[L.CONFIG + i] != -agreed[L.NEG_CONFIG + i]]
+        if differ:
+            raise DivergenceError(
+                f"rank {self.group.rank}: the ranks' configs differ in {', '.join(differ)}: "
+                "every rank of a TP group needs the same page size, capacities, policies and "
+                "storage settings (only tp_rank, device and the storage location may differ)")
         low = agreed[L.DIGEST:L.DIGEST + L.DIGEST_LEN]
         high = -agreed[L.NEG_DIGEST:L.NEG_DIGEST + L.DIGEST_LEN]
         if not np.array_equal(low, high):
@@ -348,6 +362,31 @@ class Consensus:
     def stats(self) -> TPStats:
         return TPStats(ticks=self.ticks, tick_us_mean=(
             self.tick_seconds / self.ticks * 1e6 if self.ticks else math.nan))
+
+
+_CONFIG_GROUPS = ("pages and capacities (page_size, device_pages, host pages, spec layers, "
+                  "tp_size)",
+                  "policies (eviction, write_policy, thresholds, max_inflight_*)",
+                  "storage (present or not, prefetch_*, storage_*, backup_*)")
+
+
+def config_fingerprint(config: HiCacheConfig, has_storage: bool) -> list[int]:
+    """One number per group of `_CONFIG_GROUPS`: the settings every rank's decisions depend
+    on. NOTE: a difference there changes no state digest at once (a policy acts only when it
+    evicts), so the ranks would drift apart later, far from the cause; the first tick names it.
+    """
+    c, s, t = config, config.l3, config.transfer
+    groups = (
+        (c.page_size, c.device_pages, c.host_capacity_pages, c.spec.kind, c.spec.num_layers,
+         c.tp_size),
+        (c.eviction, t.write_policy, t.write_through_threshold, t.load_back_threshold,
+         t.max_inflight_loads, t.max_inflight_writes),
+        (has_storage, s.prefetch_policy, s.prefetch_threshold, s.prefetch_timeout_base,
+         s.prefetch_timeout_max, s.prefetch_host_fraction, s.miss_ttl, s.miss_max_entries,
+         s.backup_threshold, s.backup_max_inflight_bytes, s.failures_to_open, s.cooldown),
+    )
+    return [int.from_bytes(hashlib.blake2b(repr(g).encode(), digest_size=7).digest(), "little")
+            for g in groups]
 
 
 def _log_failure(future: Promise[Any]) -> None:

@@ -170,6 +170,44 @@ async def test_calls_that_differ_by_rank_raise_divergence_error() -> None:
     await on_ranks(caches, rank)
 
 
+def caches_differing_in(size: int, **per_rank: list[Any]) -> list[HiCache]:
+    groups = TPGroup.local(size, timeout=2.0)
+    return [HiCache(make_config(tp_rank=r, tp_size=size, tp_timeout=2.0,
+                                **{k: v[r] for k, v in per_rank.items()}), tp_group=groups[r])
+            for r in range(size)]
+
+
+@pytest.mark.parametrize("per_rank,group", [
+    ({"eviction": ["lru", "arc"]}, "policies"),
+    ({"write_policy": ["write_through", "write_back"]}, "policies"),
+    ({"storage": ["memory://", None]}, "storage"),
+    ({"prefetch_threshold": [256, 64], "storage": ["memory://", "memory://"]},
+     "storage"),
+    ({"page_size": [4, 8]}, "pages and capacities"),
+])
+async def test_ranks_configured_differently_stop_at_the_first_call_naming_what_differs(
+        per_rank: dict[str, list[Any]], group: str) -> None:
+    """A policy acts only when it evicts, and storage only on a miss: the ranks would agree
+    for a while, then drift apart (or wait for each other forever) far from the cause."""
+    caches = caches_differing_in(2, **per_rank)
+
+    async def rank(r: int, cache: HiCache) -> None:
+        async with cache:
+            with pytest.raises(DivergenceError, match=f"configs differ in {group}"):
+                await serve(cache, make_tokens(16))
+            assert cache.stats().health == "failed"
+
+    await on_ranks(caches, rank)
+
+
+async def test_ranks_may_differ_in_their_device_and_storage_location(tmp_path: Any) -> None:
+    caches = caches_differing_in(2, storage=[f"file://{tmp_path}/a", f"file://{tmp_path}/b"],
+                                 transfer_ctas=[4, 2], tp_tick_interval=[0.002, 0.001])
+    async with opened(caches):
+        assert await on_ranks(caches, lambda r, c: serve(c, make_tokens(16))) == [0, 0]
+        assert await on_ranks(caches, lambda r, c: serve(c, make_tokens(16))) == [16, 16]
+
+
 async def test_a_rank_that_stops_calling_times_the_others_out() -> None:
     caches = tp_caches(2, timeout=0.5)
 
