@@ -104,6 +104,18 @@ class _LoopThread:
             self.loop.close()
 
 
+def _model_namespace(storage_config: Any, extra: dict[str, Any]) -> str:
+    """What keys bind for the model: ``extra_config["namespace"]``, else the model name."""
+    name = str(extra.get("namespace") or getattr(storage_config, "model_name", None) or "")
+    if not name:
+        # NOTE: SGLang's page hashes cover tokens only: two models with the same page format
+        # over one store would read each other's KV (headers bind the format, not the model).
+        log.warning("aiohicache storage: SGLang passed no model_name and extra_config has no "
+                    "'namespace': pages are shared with every other unnamed deployment of the "
+                    "same KV format on this store; set one of them")
+    return name
+
+
 class AiohicacheStorage(_Base):  # type: ignore[misc]
     """SGLang's ``HiCacheStorage`` over an aiohicache store.
 
@@ -112,7 +124,8 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
             ``pp_rank``, ``pp_size``, ``attn_cp_rank``, ``attn_cp_size``, ``is_mla_model``,
             ``model_name``, ``enable_storage_metrics`` and ``extra_config`` keys ``storage_url``
             (default ``file:///tmp/aiohicache-sglang``; ``redis://host:port/db`` too),
-            ``storage_options`` (keyword arguments of the store, e.g. ``capacity_bytes``)
+            ``storage_options`` (keyword arguments of the store, e.g. ``capacity_bytes``),
+            ``namespace`` (what keys bind instead of ``model_name``),
             ``timeout_s`` (per call, default 30) and ``clear_memory`` (how many of the
             keys this process stored `clear` remembers, the most recent; default 1,048,576).
         kwargs: what SGLang's factory passes beside the config (unused).
@@ -129,7 +142,7 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         self.clear_memory = check_int("clear_memory", extra.get("clear_memory", _CLEAR_MEMORY),
                                       low=0)
         shard = _shard(storage_config)
-        self.namespace = f"sglang|{getattr(storage_config, 'model_name', None) or ''}|{shard}"
+        self.namespace = f"sglang|{_model_namespace(storage_config, extra)}|{shard}"
         self._key_prefix = self.namespace.encode() + b"|"
         """What a store key binds besides SGLang's page hash: the namespace, and (once the
         host pool is registered) the page format."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import logging
 import struct
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -289,6 +290,26 @@ def test_other_models_and_tp_ranks_miss_each_others_pages(tmp_path: Path) -> Non
         assert mla[1].batch_exists(keys) == 4  # ... and every rank reads
     finally:
         for b in [writer, *others, *mla]:
+            b.close()
+
+
+def test_a_deployment_without_model_name_is_warned_and_can_name_its_namespace(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """SGLang's page hashes cover tokens only: two unnamed models with one page format over
+    one store would read each other's KV. The plug-in says so, and `namespace` separates them."""
+    url, keys = f"file://{tmp_path}", page_hashes(list(range(4 * PAGE)))
+    with caplog.at_level(logging.WARNING, logger="aiohicache.sglang_plugin"):
+        unnamed = make_backend(url, model_name=None)
+    assert "no model_name" in caplog.text
+    named = [make_backend(url, model_name=None, extra={"namespace": name}) for name in "ab"]
+    try:
+        for b in [unnamed, *named]:
+            b.register_mem_pool_host(MHAHostPool(4))
+        assert all(named[0].batch_set_v1(keys, indices(range(4))))
+        assert named[1].batch_exists(keys) == 0 and unnamed.batch_exists(keys) == 0
+        assert named[0].batch_exists(keys) == 4
+    finally:
+        for b in [unnamed, *named]:
             b.close()
 
 
