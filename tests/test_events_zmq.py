@@ -324,3 +324,17 @@ async def test_without_a_replay_endpoint_no_batch_is_kept_for_replay() -> None:
         await settle(cache)
         await until(lambda: pub.sent >= 1)
         assert not pub._buffer
+
+
+async def test_a_publisher_entered_before_its_cache_publishes_all_blocks_cleared_last() -> None:
+    """Subscribers (a KV-aware router) drop what they know of this instance on
+    `AllBlocksCleared`; it comes when the cache closes, so the publisher must close after the
+    cache: entered first, as documented."""
+    import msgpack
+
+    cache = make_cache()
+    async with ZmqEventPublisher(cache, LOCAL, replay_endpoint=LOCAL) as pub, cache:
+        await prefill(cache, make_tokens(16))
+    last = msgpack.unpackb(pub._buffer[-1][1])
+    assert last[1][-1] == ["AllBlocksCleared"]
+    assert open_contexts() == 0
