@@ -83,9 +83,14 @@ class ZmqEventPublisher:
     requests are served one at a time. Leaving the block publishes the changes made until
     then, and closes the sockets even when the block is cancelled.
 
-        async with HiCache(config) as cache, ZmqEventPublisher(cache, "tcp://*:5557",
-                                                               replay_endpoint="tcp://*:5558"):
+        cache = HiCache(config)
+        async with ZmqEventPublisher(cache, "tcp://*:5557",
+                                     replay_endpoint="tcp://*:5558"), cache:
             ...
+
+    Enter the publisher before the cache, as above, so that it closes after it: the cache's
+    last batch, `AllBlocksCleared`, is published only then (subscribers drop what they knew of
+    this instance on it). Entered inside the cache's block, it closes first and sends none.
 
     Needs the ``metrics`` extra (pyzmq, msgpack).
 
