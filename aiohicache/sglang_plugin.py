@@ -24,6 +24,7 @@ covers the payload (`aiohicache.storage.base`): a damaged, moved or foreign obje
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import logging
 import threading
@@ -82,20 +83,38 @@ class _LoopThread:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
+        self._lock = threading.Lock()
+        self._calls: set[concurrent.futures.Future[Any]] = set()
+        """Calls other threads wait on: `stop` cancels them (they would wait out `timeout`)."""
+        self._stopped = False
 
     def run(self, make: Callable[[], Awaitable[T]], timeout: float | None) -> T:
+        """Raises `concurrent.futures.CancelledError` when `stop` came first or meanwhile."""
         async def call() -> T:
             return await make()
 
-        future = asyncio.run_coroutine_threadsafe(call(), self.loop)
+        with self._lock:
+            if self._stopped:
+                raise concurrent.futures.CancelledError("the loop thread has stopped")
+            future = asyncio.run_coroutine_threadsafe(call(), self.loop)
+            self._calls.add(future)
         try:
             return future.result(timeout)
         except TimeoutError:
             future.cancel()
             raise
+        finally:
+            with self._lock:
+                self._calls.discard(future)
 
     def stop(self) -> None:
-        """Stop the loop and close it once its thread ended (idempotent)."""
+        """Cancel the calls in flight, stop the loop and close it once its thread ended
+        (idempotent)."""
+        with self._lock:
+            self._stopped = True
+            calls, self._calls = self._calls, set()
+        for future in calls:
+            future.cancel()  # wakes its waiter now; the task is cancelled on the loop
         if self.loop.is_closed():
             return
         self.loop.call_soon_threadsafe(self.loop.stop)

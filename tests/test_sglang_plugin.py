@@ -13,10 +13,12 @@ Where SGLang is importable, the last test checks the class against its real base
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib
 import logging
 import struct
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -332,6 +334,23 @@ def test_pipeline_and_context_parallel_ranks_miss_each_others_pages(
     finally:
         first.close()
         second.close()
+
+
+def test_close_ends_a_call_another_thread_is_waiting_on_as_a_miss(
+        small: AiohicacheStorage) -> None:
+    """SGLang detaches the store while its prefetch thread may be mid-call: that call must
+    end as a miss at once, not hold the thread until `timeout_s` (30 s by default)."""
+    async def never(*_: Any) -> list[bool]:
+        await asyncio.sleep(3600)  # a store that stopped answering
+        return []
+
+    small._require().get_into = never  # type: ignore[method-assign]
+    keys = page_hashes(list(range(PAGE)))
+    with ThreadPoolExecutor(1) as pool:
+        got = pool.submit(small.batch_get_v1, keys, indices(range(1)))
+        time.sleep(0.2)  # the call is on the loop, waiting
+        small.close()
+        assert got.result(timeout=5) == [False]
 
 
 def test_close_is_idempotent(tmp_path: Path) -> None:
