@@ -142,6 +142,11 @@ class RedisBackend:
         self._client = self._connect(url, socket_timeout=socket_timeout,
                                      connect_timeout=connect_timeout,
                                      max_connections=max_connections, retries=retries)
+        if isinstance(self._client, Redis):
+            # NOTE: a URL's max_connections sizes redis-py's pool (the URL wins over the
+            # keyword): callers wait here within the smaller, never in the pool (see above)
+            pool_limit = self._client.connection_pool.max_connections
+            self._connections = anyio.Semaphore(min(max_connections, pool_limit))
         self._closed = False  # set last: an instance that failed to build has nothing to close
         log.debug("redis backend %s, prefix %r", self.url, self.key_prefix)
 

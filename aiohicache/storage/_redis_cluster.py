@@ -29,7 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..errors import ConfigError
 from ._redis import Add, RedisBackend
-from ._redis_parts import CLUSTER_SCHEMES, Blob, safe_reason
+from ._redis_parts import CLUSTER_SCHEMES, Blob, check_query, safe_reason
 from .errors import StorageWriteError
 
 __all__ = ("RedisClusterBackend",)
@@ -70,6 +70,7 @@ class RedisClusterBackend(RedisBackend):
 
     def _connect(self, url: str, **settings: float) -> Redis | RedisCluster:
         self._node_limit = int(settings["max_connections"])
+        self._retries = int(settings["retries"])
         self._node_slots: dict[str, anyio.Semaphore] = {}
         return cluster_client(url, self.url, **settings)  # type: ignore[arg-type]
 
@@ -126,17 +127,32 @@ class RedisClusterBackend(RedisBackend):
         client = cast(RedisCluster, self._client)
         node = client.get_node_from_key(names[idx[0]])
         name = node.name if node else ""
-        async with self._slots(name):
-            pipe = client.pipeline()
-            for i in idx:
-                add(pipe, names[i], i)
-            self._count_round_trip(len(pipe))
-            # NOTE: redirections are followed here (`_redirect`), not by redis-py: it sends
-            # ASKING and the command as two calls, each on the first idle connection of the
-            # node, so with two idle ASKING went on one and the command on the other, which
-            # the node then redirected back (MOVED), until the pages missed
-            replies: list[object] = await pipe.execute(raise_on_error=False,
-                                                       allow_redirections=False)
+        for attempt in range(self._retries + 1):
+            last = node is None or attempt == self._retries
+            try:
+                async with self._slots(name):
+                    pipe = client.pipeline()
+                    for i in idx:
+                        add(pipe, names[i], i)
+                    self._count_round_trip(len(pipe))
+                    # NOTE: redirections are followed here (`_redirect`), not by redis-py: it
+                    # sends ASKING and the command as two calls, each on the first idle
+                    # connection of the node, so with two idle ASKING went on one and the
+                    # command on the other, which the node then redirected back (MOVED),
+                    # until the pages missed
+                    replies: list[object] = await pipe.execute(raise_on_error=False,
+                                                               allow_redirections=False)
+            except RedisConnectionError:
+                if last:
+                    raise
+            else:
+                if last or not all(isinstance(r, RedisConnectionError) for r in replies):
+                    break
+            # NOTE: a connection the node closed (it restarted, or an idle one was dropped):
+            # its other idle ones are most likely closed too, and the client retries nothing,
+            # so each would have failed a call in turn (a healthy cluster opened the breaker)
+            assert node is not None
+            await node.disconnect_free_connections()
         redirected = [k for k, reply in enumerate(replies) if isinstance(reply, _REDIRECTS)]
         if redirected:
             followed = await self._redirect(names, [idx[k] for k in redirected],
@@ -303,9 +319,13 @@ def _recorder() -> Redis:
 def cluster_client(url: str, safe_url: str, *, socket_timeout: float,
                    connect_timeout: float, max_connections: int,
                    retries: int) -> RedisCluster:
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # e.g. an unclosed IPv6 bracket
+        raise ConfigError(f"url {safe_url!r}: {safe_reason(url, exc)}") from None
     if parts.scheme not in CLUSTER_SCHEMES:
         raise ConfigError(f"url {safe_url!r}: the scheme must be one of {CLUSTER_SCHEMES}")
+    check_query(parts.query, safe_url)
     auth, _, hosts = parts.netloc.rpartition("@")
     tls = parts.scheme in ("rediss+cluster", "valkeys+cluster")
     try:
@@ -322,7 +342,12 @@ def cluster_client(url: str, safe_url: str, *, socket_timeout: float,
     # NOTE: no retries in the client, and no re-reading of the whole slot map after MOVED
     # (redis-py then closes every node's connections, failing the other nodes' pipelines in
     # flight): see RedisClusterBackend._refresh_slot_map
-    return RedisCluster(startup_nodes=nodes, ssl=tls, require_full_coverage=False,
-                        socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
-                        max_connections=max_connections, retry=Retry(NoBackoff(), 0),
-                        reinitialize_steps=0, **options)
+    try:
+        return RedisCluster(startup_nodes=nodes, ssl=tls, require_full_coverage=False,
+                            socket_timeout=socket_timeout,
+                            socket_connect_timeout=connect_timeout,
+                            max_connections=max_connections, retry=Retry(NoBackoff(), 0),
+                            reinitialize_steps=0, **options)
+    except TypeError as exc:  # an unknown option, or one the backend sets itself
+        raise ConfigError(f"url {safe_url!r}: an option the cluster client does not take "
+                          f"({safe_reason(url, exc)})") from None

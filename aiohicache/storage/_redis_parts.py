@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from typing import Final
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -17,7 +17,7 @@ from .._validate import check_int, check_number
 from ..errors import ConfigError
 from .base import HEADER_SIZE, PageFormat, decode_page, encode_header
 
-__all__ = ("CLUSTER_SCHEMES", "SCHEMES", "Blob", "check_settings", "client",
+__all__ = ("CLUSTER_SCHEMES", "SCHEMES", "Blob", "check_query", "check_settings", "client",
            "copy_payloads", "encode_objects", "leading_true", "redact", "verify")
 
 SCHEMES: Final = ("redis", "rediss", "unix")
@@ -84,6 +84,7 @@ def client(url: str, safe_url: str, *, socket_timeout: float, connect_timeout: f
     db = parts.path.strip("/")
     if parts.scheme != "unix" and db and not db.isdigit():  # redis-py would ignore it
         raise ConfigError(f"url {safe_url!r}: the path must be a database number")
+    check_query(parts.query, safe_url)
     try:
         pool = BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=None,
@@ -97,6 +98,19 @@ def client(url: str, safe_url: str, *, socket_timeout: float, connect_timeout: f
         raise ConfigError(f"url {safe_url!r}: an option redis-py does not take "
                           f"({safe_reason(url, exc)})") from None
     return Redis.from_pool(pool)
+
+
+_REFUSED_OPTIONS: Final = {
+    "decode_responses": "the backend reads bytes (replies decoded as text fail every read)",
+}
+
+
+def check_query(query: str, safe_url: str) -> None:
+    """Raise `ConfigError` for a URL option the backend cannot work with."""
+    for name, _ in parse_qsl(query, keep_blank_values=True):
+        if name in _REFUSED_OPTIONS:
+            raise ConfigError(f"url {safe_url!r}: option {name!r} is not allowed: "
+                              f"{_REFUSED_OPTIONS[name]}")
 
 
 def safe_reason(url: str, exc: Exception) -> str:
