@@ -180,6 +180,14 @@ class Request:
         """`alloc_op` for this context: the pages join its leases as they are leased, so its
         release frees them whenever it runs; refused once the context has been released."""
         self.check_unreleased()
+        # NOTE: the pages this context holds (its pinned prefix, its leases) cannot be evicted
+        # for it: asking past the rest evicted every other unpinned page, then failed anyway.
+        # Checked here, at the tick with TP: every rank sees the same leases.
+        held = len(self.pages) + sum(map(len, self.leases))
+        capacity = self.core.tree.device_alloc.capacity
+        if num_pages + held > capacity:
+            raise CapacityError(f"asked for {num_pages} device pages; the pool has {capacity}, "
+                                f"{held} of them held by this request")
         plan = alloc_op(self.core, num_pages, self.owner)
         if plan is not AGAIN:
             self.leases.append(plan.result)

@@ -11,6 +11,7 @@ import gzip
 import json
 import math
 import os
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
@@ -32,7 +33,7 @@ def records(path: PathLike, *, limit: int | None) -> Iterator[tuple[str, Record]
     try:
         with _open(os.fspath(path)) as lines:
             yield from _parse_lines(os.fspath(path), lines, limit)
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:  # zlib: bad data
         raise ConfigError(f"{os.fspath(path)}: cannot read trace: {exc}") from exc
 
 
@@ -66,6 +67,8 @@ def _parse_line(where: str, line: str) -> Record:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{where}: not JSON: {exc}") from exc
+    except RecursionError:  # NOTE: json's parser recurses per nesting level
+        raise ConfigError(f"{where}: not JSON: nested too deeply") from None
     if not isinstance(record, dict):
         raise ConfigError(f"{where}: expected a JSON object")
     return record

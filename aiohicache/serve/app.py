@@ -268,7 +268,7 @@ async def models(request: web.Request) -> web.Response:
 async def _json_body(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # too deep: recursion
         raise _BadRequest("the body must be a JSON object") from None
     if not isinstance(body, dict):
         raise _BadRequest("the body must be a JSON object")

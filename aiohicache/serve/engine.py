@@ -345,7 +345,11 @@ class Engine:
 def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
     if temperature <= 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # NOTE: float64 and the max subtracted first: a small temperature made logits /
+    # temperature inf (or 0 / 0 in float32) and the probabilities NaN, and multinomial
+    # raised; now the max stays 0, the rest go to -inf: greedy in the limit, as it should
+    scaled = logits.double()
+    probs = torch.softmax((scaled - scaled.max()) / temperature, dim=-1)
     return int(torch.multinomial(probs, 1, generator=gen))
 
 

@@ -30,15 +30,14 @@ Page = tuple[int, ...]
 
 
 def best_hits(prompts: Sequence[Sequence[int]], *, capacity: int, page_size: int,
-              overflow_evicts: bool) -> int:
+              room_for_partial: bool) -> int:
     """The most hit tokens any eviction choices give a prefix cache of `capacity` pages.
 
     Shares no code with aiohicache. Per request: hits are the leading whole pages all cached;
     the other whole pages are inserted after evicting ANY set of cached pages outside the
     hit prefix (at least enough to make room) that leaves the cache prefix-closed. If they
-    cannot fit beside the hit prefix, nothing is inserted; with `overflow_evicts` (a serving
-    engine's allocate) every page outside the hit prefix is evicted trying, unless the new
-    pages alone are more than the whole cache, and room is made for every computed token,
+    cannot fit beside the hit prefix, nothing is inserted and nothing evicted; with
+    `room_for_partial` (a serving engine's allocate) room is made for every computed token,
     a partial last page included (only whole pages are inserted).
     """
     paths = [[tuple(p[:(k + 1) * page_size]) for k in range(len(p) // page_size)]
@@ -54,10 +53,8 @@ def best_hits(prompts: Sequence[Sequence[int]], *, capacity: int, page_size: int
         while hit < len(path) and path[hit] in cached:
             hit += 1
         pinned, new = set(path[:hit]), path[hit:]
-        room = -(-(lengths[i] - hit * page_size) // page_size) if overflow_evicts else len(new)
+        room = -(-(lengths[i] - hit * page_size) // page_size) if room_for_partial else len(new)
         if room > capacity - hit:
-            if overflow_evicts and room <= capacity:
-                cached = frozenset(pinned)
             return hit * page_size + solve(i + 1, cached)
         free = capacity - len(cached)
         victims = sorted(cached - pinned)
@@ -128,7 +125,7 @@ def test_belady_on_the_tree_is_optimal(block_size: int, page_size: int, capacity
         requests = random_requests(seed, block_size=block_size)
         prompts = [r.tokens().tolist() for r in requests]
         assert belady_hits(requests, capacity=capacity, page_size=page_size) == best_hits(
-            prompts, capacity=capacity, page_size=page_size, overflow_evicts=False), seed
+            prompts, capacity=capacity, page_size=page_size, room_for_partial=False), seed
 
 
 def test_the_brute_force_beats_lru_on_some_of_these_traces() -> None:
@@ -138,7 +135,7 @@ def test_the_brute_force_beats_lru_on_some_of_these_traces() -> None:
         prompts = [r.tokens().tolist() for r in requests]
         lru = PrefixLRU(4)
         hits = sum(lru.serve(p) for p in prompts)
-        best = best_hits(prompts, capacity=4, page_size=1, overflow_evicts=False)
+        best = best_hits(prompts, capacity=4, page_size=1, room_for_partial=False)
         assert hits <= best
         shortfalls += hits < best
     assert shortfalls >= 3
@@ -156,7 +153,7 @@ def test_replay_with_opt_is_optimal(block_size: int, page_size: int, capacity: i
         result = asyncio.run(replay(config, requests))
         prompts = [r.tokens().tolist() for r in requests]
         assert result.l1_tokens == best_hits(prompts, capacity=capacity, page_size=page_size,
-                                             overflow_evicts=True), seed
+                                             room_for_partial=True), seed
 
 
 def test_belady_evicts_the_page_used_furthest_ahead_even_inside_a_node() -> None:
