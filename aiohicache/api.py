@@ -140,10 +140,23 @@ class HiCache:
         await self.aclose()
 
     def _make_engine(self) -> TransferEngine:
-        if isinstance(self._engine, TransferEngine):
-            return self._engine
-        if self._engine is not None:
-            return self._engine(self.device_pool, self.host_pool)
+        """The engine given (checked to copy between this cache's pools), or the config's.
+
+        Raises:
+            ConfigError: the engine given, or the one a factory returned, copies between
+                other pools (the cache would serve device pages no load wrote).
+        """
+        if self._engine is None:
+            return self._default_engine()
+        engine = self._engine if isinstance(self._engine, TransferEngine) \
+            else self._engine(self.device_pool, self.host_pool)
+        if engine.device_pool is not self.device_pool or engine.host_pool is not self.host_pool:
+            raise ConfigError("engine: must copy between this cache's pools (cache.device_pool "
+                              "and cache.host_pool); pass a factory (device_pool, host_pool) "
+                              "-> engine, or build the engine on those pools before opening")
+        return engine
+
+    def _default_engine(self) -> TransferEngine:
         backend = self.config.resolved_io_backend
         if backend == "cpu":
             return CpuTransferEngine(self.device_pool, self.host_pool)

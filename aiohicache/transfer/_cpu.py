@@ -140,6 +140,8 @@ class CpuTransferEngine:
         if self._closed:
             return
         self._closed = True
+        for stream in (self._load, self._write):  # both stop after their queues, even if
+            stream.executor.shutdown(wait=False)  # the wait below is cancelled
         for stream in (self._load, self._write):
             await anyio.to_thread.run_sync(stream.executor.shutdown, abandon_on_cancel=False)
 

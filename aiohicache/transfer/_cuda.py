@@ -223,6 +223,8 @@ class CudaTransferEngine:
         if self._closed:
             return
         self._closed = True
+        for stream in (self._load, self._write):  # both stop, even if a wait is cancelled
+            stream.waiter.close()
         for stream in (self._load, self._write):
             await stream.waiter.aclose()
 

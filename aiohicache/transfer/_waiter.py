@@ -63,10 +63,14 @@ class EventWaiter:
 
         Cancellation: the thread still finishes its queue and stops; only the wait ends.
         """
+        self.close()
+        await anyio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
+
+    def close(self) -> None:
+        """Take no more watches; the thread stops once it has waited for those queued."""
         if not self._closed:
             self._closed = True
             self._queue.put(None)
-        await anyio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
 
     def _run(self) -> None:
         while (watch := self._queue.get()) is not None:
