@@ -132,7 +132,7 @@ def replay(trace: str, limit: int | None, l3: str, eviction: list[str], time_mod
     "synthetic", a Mooncake-format .jsonl file, or a kv-cache-tester .jsonl.gz file.
     Several --eviction policies replay one after another and print side by side.
     """
-    _refuse_ignored_options(sweep=sweep, time_mode=time_mode, **spec_and_tiers)
+    _refuse_ignored_options(sweep=sweep, time_mode=time_mode, l3=l3, **spec_and_tiers)
     try:
         base = _base_config(l3=l3, eviction=eviction[0], time_mode=time_mode,
                             **spec_and_tiers)
@@ -151,7 +151,7 @@ def replay(trace: str, limit: int | None, l3: str, eviction: list[str], time_mod
         _write_plot(results, plot, trace, as_json=as_json)
 
 
-def _refuse_ignored_options(*, sweep: list[str] | None, time_mode: str,
+def _refuse_ignored_options(*, sweep: list[str] | None, time_mode: str, l3: str,
                             **spec_and_tiers: Any) -> None:
     """An option given where it has no effect is a usage error: the user meant something
     the replay would not do (``--dtype fp8`` on a preset model replays bf16)."""
@@ -166,10 +166,23 @@ def _refuse_ignored_options(*, sweep: list[str] | None, time_mode: str,
                                 "preset has its own)"),
         ("model", explicit, "and --layers/--kv-heads/--head-dim both name the model: give "
                             "one"),
+        ("settle", time_mode != "fast" or spec_and_tiers["concurrency"] > 1,
+         "applies to sequential replays only (--time fast, --concurrency 1)"),
+        ("write_policy", _no_l2(spec_and_tiers["l2"]), "moves L1 pages to L2: --l2 0 has none"),
+        ("host_layout", _no_l2(spec_and_tiers["l2"]), "lays out L2: --l2 0 has none"),
+        ("prefetch_policy", l3 == "none", "paces reads from L3: --l3 none has none"),
     ]
     for name, ignored, why in rules:
         if ignored and name in given:
-            raise click.UsageError(f"'--{name}' {why}")
+            raise click.UsageError(f"'--{name.replace('_', '-')}' {why}")
+
+
+def _no_l2(l2: str) -> bool:
+    """``--l2`` names no tier (any unit: zero is zero whatever a token weighs)."""
+    try:
+        return parse_capacity(l2, bytes_per_token=1, field_name="l2") == 0
+    except ConfigError:  # reported, with the model's size, where the config is made
+        return False
 
 
 def _check_outputs(plot: str | None, l3: str, loop: str) -> None:

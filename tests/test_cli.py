@@ -132,6 +132,11 @@ def test_replay_stalls_must_be_a_finite_number(stalls: str) -> None:
     (["--speedup", "10"], "'--speedup'"),
     (["--dtype", "fp8"], "'--dtype'"),
     (["--layers", "2", "--kv-heads", "1", "--head-dim", "16"], "'--model'"),
+    (["--no-settle", "--concurrency", "4"], "'--settle'"),
+    (["--settle", "--time", "timestamps"], "'--settle'"),
+    (["--l2", "0", "--write-policy", "write_back"], "'--write-policy'"),
+    (["--l2", "0GiB", "--host-layout", "layer_first"], "'--host-layout'"),
+    (["--prefetch-policy", "best_effort"], "'--prefetch-policy'"),
 ])
 def test_replay_refuses_an_option_it_would_ignore(extra: list[str], named: str) -> None:
     line = _error_line(["replay", "--limit", "1", *TINY, "--l3", "none", *extra])
