@@ -278,6 +278,9 @@ def _sweep_tokens(sweep: list[str], base: ReplayConfig) -> list[int]:
     seen: dict[int, str] = {}
     for text, n in zip(sweep, tokens, strict=True):
         pages = n // base.page_size
+        if pages == 0:
+            raise click.BadParameter(f"{text!r} is less than one page ({base.page_size} "
+                                     "tokens)", param_hint="'--sweep'")
         if pages in seen:
             raise click.BadParameter(f"{seen[pages]!r} and {text!r} are one L1 size ({pages:,} "
                                      f"pages of {base.page_size} tokens)",

@@ -154,6 +154,12 @@ def test_replay_refuses_the_same_policy_or_capacity_twice(extra: list[str], name
     assert named in line
 
 
+@pytest.mark.parametrize("small", ["0", "8"])
+def test_replay_refuses_a_sweep_capacity_under_one_page_naming_the_sweep(small: str) -> None:
+    line = _error_line(["replay", "--limit", "1", *TINY, "--l3", "none", "--sweep", f"1k,{small}"])
+    assert f"'--sweep': '{small}' is less than one page (16 tokens)" in line
+
+
 def test_replay_refuses_an_l3_it_cannot_open(tmp_path: Path) -> None:
     a_file = tmp_path / "not-a-dir"
     a_file.write_text("")
