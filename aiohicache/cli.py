@@ -248,10 +248,17 @@ def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int,
 
     with tempfile.TemporaryDirectory(prefix="aiohicache-l3-") as tmp:
         storage = None if l3 == "none" else f"file://{tmp}" if l3 == "tmp" else l3
-        config = EngineConfig(page_size=page_size, device_tokens=l1, host_tokens=l2,
-                              storage=storage, use_cache=not no_cache,
-                              compute_threads=compute_threads, max_running=max_running,
-                              torch_threads=torch_threads)
+        try:
+            config = EngineConfig(page_size=page_size, device_tokens=l1, host_tokens=l2,
+                                  storage=storage, use_cache=not no_cache,
+                                  compute_threads=compute_threads, max_running=max_running,
+                                  torch_threads=torch_threads)
+        except ConfigError as exc:  # the tiers: named by their flags
+            flag = {"device_tokens": "--l1", "host_tokens": "--l2"}
+            field_name, _, why = str(exc).partition(": ")
+            raise click.BadParameter(why, param_hint=f"'{flag.get(field_name, field_name)}'") \
+                from None
+
         engine, name = _serve_engine(model_path, seed, config)
 
         def ready(url: str) -> None:

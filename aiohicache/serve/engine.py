@@ -27,6 +27,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .. import CapacityError, ConfigError, HiCache, HiCacheConfig
 from .._concurrency import finish_then_cancel, run_in_thread
+from .._validate import check_int
 from ..hf import HFAdapter, forward, kv_spec
 from ..metrics import render as render_cache_metrics
 
@@ -88,6 +89,16 @@ class EngineConfig:
     """torch's intra-op threads (process-wide), set when the engine opens; None leaves it.
     NOTE: 1 by default because the CPU transfer engine's copy thread sets the process-wide
     count to 1 when it starts: a cache run and a no-cache run then compute alike."""
+
+    def __post_init__(self) -> None:
+        check_int("page_size", self.page_size, low=1, high=256)
+        if check_int("device_tokens", self.device_tokens, low=0) < self.page_size:
+            # NOTE: it was rounded up to one page, unsaid
+            raise ConfigError(f"device_tokens: {self.device_tokens} is less than one page "
+                              f"({self.page_size} tokens)")
+        check_int("host_tokens", self.host_tokens, low=0)
+        check_int("compute_threads", self.compute_threads, low=1)
+        check_int("max_running", self.max_running, low=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,7 +368,7 @@ def cache_config(model: PreTrainedModel, config: EngineConfig) -> HiCacheConfig:
     """The `HiCacheConfig` an engine for `model` opens with `config`."""
     ps = config.page_size
     return HiCacheConfig(spec=kv_spec(model.config, model.dtype), page_size=ps,
-                         device_pages=max(1, config.device_tokens // ps),
+                         device_pages=config.device_tokens // ps,
                          host_pages=config.host_tokens // ps, storage=config.storage,
                          device=str(model.device),
                          namespace=config.namespace or weights_namespace(model))

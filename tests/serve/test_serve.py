@@ -30,6 +30,7 @@ import anyio
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
+from aiohicache import ConfigError
 from aiohicache.cli import cli
 from aiohicache.controller import page_format
 from aiohicache.hf import tiny_llama
@@ -447,6 +448,26 @@ def test_the_serve_command_refuses_a_negative_shutdown_timeout() -> None:
     result = CliRunner().invoke(cli, ["serve", "--shutdown-timeout", "-1"])
     assert result.exit_code == 2
     assert "Invalid value for '--shutdown-timeout': -1.0 is not in the range" in result.output
+
+
+def test_the_serve_command_refuses_an_l1_under_one_page() -> None:
+    """It was rounded up to one page, unsaid: the server ran with another L1 than asked."""
+    result = CliRunner().invoke(cli, ["serve", "--l1", "8", "--page-size", "16"])
+    assert result.exit_code == 2
+    assert "Invalid value for '--l1': 8 is less than one page (16 tokens)" in result.output
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("device_tokens", 8, "device_tokens: 8 is less than one page"),
+    ("host_tokens", -1, "host_tokens"),
+    ("page_size", 0, "page_size"),
+    ("max_running", 0, "max_running"),
+    ("compute_threads", 0, "compute_threads"),
+])
+def test_an_engine_config_out_of_range_is_a_config_error(field: str, value: int,
+                                                          match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**{field: value})
 
 
 @pytest.fixture
