@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import anyio.to_thread
 import torch
 
-from ..errors import ClosedError
+from ..errors import ClosedError, ConfigError
 from ..memory import DevicePool, HostPool, PageIds
 from ._base import TransferHandle
 from ._copy import CopyPlan, as_words, copy_pages
@@ -48,11 +48,16 @@ class CpuTransferEngine:
     """Copies pages between a CPU `DevicePool` and a `HostPool` off the event loop.
 
     Raises:
-        ConfigError: the pools differ in spec or page size (whichever copier is used).
+        ConfigError: the pools differ in spec or page size (whichever copier is used), or the
+            device pool is not in CPU memory (use `CudaTransferEngine`).
     """
 
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, *,
                  inline_bytes: int = 1 << 20) -> None:
+        if device_pool.data.device.type != "cpu":  # numpy failed at the first copy
+            raise ConfigError(f"CpuTransferEngine: the device pool is on "
+                              f"{device_pool.data.device}; it copies CPU pools only (use "
+                              "CudaTransferEngine)")
         Geometry.of(device_pool, host_pool)  # the numpy copies would move mismatched bytes
         self.device_pool = device_pool
         self.inline_bytes = inline_bytes

@@ -182,3 +182,13 @@ def test_the_cuda_engine_refuses_pools_it_cannot_copy() -> None:
     with pytest.raises(ConfigError, match="CUDA pool"):
         CudaTransferEngine(dev, host)
     assert not host.pinned
+
+
+def test_the_cpu_engine_refuses_a_device_pool_not_in_cpu_memory() -> None:
+    """With a GPU pool (`engine=CpuTransferEngine` on a CUDA cache) the first copy failed
+    inside numpy; the engine now says so when it is made. "meta" stands in for a GPU here."""
+    cfg = make_config()
+    dev = DevicePool(cfg.spec, num_pages=4, page_size=4, device="meta")
+    host = HostPool(cfg.spec, num_pages=4, page_size=4)
+    with pytest.raises(ConfigError, match="CpuTransferEngine: the device pool is on meta"):
+        CpuTransferEngine(dev, host)
