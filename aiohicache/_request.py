@@ -92,6 +92,8 @@ class Request:
             if core.tp is not None:  # only the TP digest reads it: not on every request
                 core.calls_crc = zlib.crc32(self.tokens.data, core.calls_crc)  # no copy
             match = core.tree.match(self.tokens)
+            if storage is not None:
+                storage.on_hits(match.path)
             job = storage.plan_prefetch(self.tokens, match.path, self.hashed) \
                 if storage else None
             if job is None:

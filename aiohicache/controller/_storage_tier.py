@@ -92,7 +92,7 @@ class StorageTier(TPResults):
         self.on_stored: list[Callable[[Node, list[int]], None]] = []
         """Called as ``hook(node, pages)`` with the indices of `node`'s pages newly in L3."""
         self.reserved_host: dict[int, PageIds] = {}  # prefetch id -> host pages not in tree
-        self._inflight: dict[bytes, PrefetchJob] = {}
+        self._inflight: dict[tuple[bytes, bytes], PrefetchJob] = {}  # (first, last key)
         self._misses = _MissCache(ttl=config.l3.miss_ttl,
                                   max_entries=config.l3.miss_max_entries)
         self._backing_up: list[_Backup] = []
@@ -126,15 +126,20 @@ class StorageTier(TPResults):
         Joins a running prefetch of the same pages (single flight).
         """
         ps, cfg = self.config.page_size, self.config
-        start = sum(n.num_pages for n in path)
-        tail_pages = len(tokens) // ps - start
+        tail_pages = len(tokens) // ps - sum(n.num_pages for n in path)
         if self._tg is None or tail_pages * ps < max(cfg.l3.prefetch_threshold, 1):
             return None
+        # NOTE: L3 pages join L2 only under a host copy of their prefix (host residency is
+        # prefix-closed): ask from the end of the match's host-backed head, so the nodes on
+        # the device only after it get their host copy too. Asked from the end of the match,
+        # the pages after such a node were read, then thrown away.
+        host = next((i for i, n in enumerate(path) if not n.on_host), len(path))
+        start = sum(n.num_pages for n in path[:host])
         keys = self.keys(tokens, path, hashed)
         first = keys[start]
         # NOTE: a join or a negative hit asks the backend nothing: decided before the
         # breaker is asked, so neither takes its half-open probe nor counts as a success
-        if (job := self._inflight.get(first)) is not None:
+        if (job := self._covering(keys, start)) is not None:
             return job
         if self._misses.hit(first, self._now()):
             self.counters.negative_hits += 1
@@ -143,16 +148,27 @@ class StorageTier(TPResults):
             self.counters.bypassed += 1
             return None
         job = PrefetchJob(tokens[:len(tokens) // ps * ps], start, keys)
-        job.held = [n for n in path if not n.on_device]
+        job.held = [n for n in path[:host] if not n.on_device]
         for node in job.held:
             self.tree.protect_host(node)
-        self._inflight[first] = job
+        self._inflight[first, keys[-1]] = job
         if self.tp:
             self._counting.append(job)
             self._tg.start_soon(self._prefetch_tp, job)
         else:
             self._tg.start_soon(self._prefetch, job)
         return job
+
+    def _covering(self, keys: list[bytes], start: int) -> PrefetchJob | None:
+        """A prefetch in flight of every page of `keys` from `start` on (its keys hold our
+        last key: the same prefix). NOTE: sharing by the first page asked for joined a
+        prefetch of another continuation (a shared system prompt, then another question),
+        and our pages in L3 were missed."""
+        last, n = keys[-1], len(keys)
+        if (job := self._inflight.get((keys[start], last))) is not None:
+            return job
+        return next((j for j in self._inflight.values() if j.start_page <= start
+                     and len(j.keys) > n and j.keys[n - 1] == last), None)
 
     def wait_seconds(self, num_tokens: int) -> float:
         """How long a fetch of `num_tokens` waits for its prefetch (0: not at all)."""
@@ -261,12 +277,12 @@ class StorageTier(TPResults):
             if len(spare):
                 self.tree.host_alloc.free(spare)
         job.inserted = sum(n.num_pages for n in nodes)
-        self.counters.prefetches += 1
+        self.counters.prefetches += bool(job.inserted)  # "prefetches that inserted pages"
         self.counters.prefetched_pages += job.inserted
 
     def _finish(self, job: PrefetchJob) -> None:
         """Sync: the prefetch is over; unpin, free what was not inserted, wake the waiters."""
-        self._inflight.pop(job.keys[job.start_page], None)
+        self._inflight.pop((job.keys[job.start_page], job.keys[-1]), None)
         for node in job.held:
             self.tree.release_host(node)
         job.held = []
@@ -278,6 +294,14 @@ class StorageTier(TPResults):
         self._signal()
 
     # ------------------------------------------------------------------ backup
+
+    def on_hits(self, path: list[Node]) -> None:
+        """`path` was just matched (a hit each): back up the host copies that reached
+        `backup_threshold` hits now (those written through earlier were not picked when
+        their write settled; those still being written are picked when it settles)."""
+        threshold = self.config.l3.backup_threshold
+        if reached := [n for n in path if n.hit_count == threshold]:
+            self.queue_backup(reached)
 
     def queue_backup(self, nodes: list[Node]) -> None:
         """Back up the settled host copies of `nodes` (those with enough hits), later."""

@@ -141,28 +141,47 @@ class RadixTree(TreeState):
                     hashes: list[bytes]) -> tuple[list[Node], list[PageIds]]:
         """Add host-only pages (fetched from L3) for ``tokens`` pages ``start_page..``.
 
-        `tokens` covers whole pages; `host_pages` holds pages ``start_page`` on. Returns the
-        new nodes and the host pages not adopted (the caller frees them): pages of a prefix
-        that is present already, or everything when the prefix before `start_page` is gone
-        or has no host copy (host residency must stay prefix-closed).
+        `tokens` covers whole pages; `host_pages` holds pages ``start_page`` on. A node from
+        `start_page` on that is on the device only gets its host copy from these pages (the
+        same keys: the same KV); the pages after the last node become a host-only leaf.
+        Returns the nodes given host pages and the host pages not adopted (the caller frees
+        them): pages of a prefix already on the host, or everything when the prefix before
+        `start_page` is gone or has no host copy (host residency must stay prefix-closed).
         """
         ps, tokens = self.page_size, as_token_array(tokens)
+        used = np.zeros(len(host_pages), dtype=bool)
+        nodes: list[Node] = []
         node, pos = self.root, 0
         while pos < len(tokens) and (child := self._step(node, tokens, pos)) is not None:
+            first = pos // ps
+            if not child.on_host:
+                if first < start_page or not (node is self.root or node.on_host):
+                    break
+                own = slice(first - start_page, first - start_page + child.num_pages)
+                self._set_host(child, host_pages[own].copy(), HostState.RESIDENT)
+                if child.hashes is None:
+                    child.hashes = hashes[first:first + child.num_pages]
+                child.stored = [True] * child.num_pages
+                used[own] = True
+                nodes.append(child)
             pos += len(child.key)
             node = child
-        first = pos // ps
-        if first < start_page or pos >= len(tokens) or not (
-                node is self.root or node.on_host):
-            return [], [host_pages]
-        leaf = Node(id=next(self._ids), parent=node, key=tokens[pos:].copy(),
-                    hashes=hashes[first:len(tokens) // ps],
-                    stored=[True] * (len(tokens) // ps - first))
-        node.children[leaf.key[:ps].tobytes()] = leaf
-        self._num_nodes += 1
-        self._set_host(leaf, host_pages[first - start_page:].copy(), HostState.RESIDENT)
-        self._touch(leaf.path_to_root()[::-1], hit=False)
-        return [leaf], [host_pages[:first - start_page]]
+        else:
+            first = pos // ps
+            if first >= start_page and pos < len(tokens) and (
+                    node is self.root or node.on_host):
+                leaf = Node(id=next(self._ids), parent=node, key=tokens[pos:].copy(),
+                            hashes=hashes[first:len(tokens) // ps],
+                            stored=[True] * (len(tokens) // ps - first))
+                node.children[leaf.key[:ps].tobytes()] = leaf
+                self._num_nodes += 1
+                self._set_host(leaf, host_pages[first - start_page:].copy(),
+                               HostState.RESIDENT)
+                used[first - start_page:] = True
+                nodes.append(leaf)
+        if nodes:
+            self._touch(nodes[-1].path_to_root()[::-1], hit=False)
+        return nodes, [host_pages[~used]]
 
     def _add_leaf(self, parent: Node, key: Tokens, pages: PageIds) -> Node:
         leaf = Node(id=next(self._ids), parent=parent, key=key)
