@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ..errors import ClosedError
 from . import _native
 from ._journal import ENTRY_SIZE, PUT, TOUCH, Entry, read_log_since, segment_path
 from .base import HEADER_SIZE, PageFormat, encode_header, key_id, pack_header
@@ -74,6 +75,8 @@ class Appender:
         self._held: Counter[int] = Counter()
         """Segment id -> runs written (or copied) into it that the loop has not bound yet
         (see `unhold`)."""
+        self.closed = False
+        """`shut` ran: no lane is made or handed out again."""
 
     def created_ids(self) -> frozenset[int]:
         with self._lock:
@@ -109,6 +112,8 @@ class Appender:
         removed) and the offset reserved in it; only the caller appends to it until
         `release`. `hold`: the segment is not compacted here until `unhold`."""
         with self._lock:
+            if self.closed:  # NOTE: a lane made now was never closed (its fds, its lock)
+                raise ClosedError(f"storage: the file store under {self.root} is closed")
             lane = next((lane for lane in self._lanes if not lane.busy), None)
             if lane is None or os.fstat(lane.seg_fd).st_nlink == 0 or (
                     lane.end and lane.end + nbytes > self.segment_bytes) or \
@@ -147,6 +152,14 @@ class Appender:
         # must not roll the lane again (the next compaction would carry them again)
         lane.touch_bytes += ENTRY_SIZE * sum(entry.kind == TOUCH for entry in entries)
         self.release(lane, entries)  # the lane is ours until then
+
+    def shut(self) -> None:
+        """`close` for good: no lane is handed out (nor made) after it. NOTE: a run still
+        queued when the store closed made a lane after `close`, never closed (its files
+        open, its segment locked for the life of the process)."""
+        with self._lock:
+            self.closed = True
+        self.close()
 
     def close(self) -> None:
         """Seal every lane (each then is lock-free: compactable); an unused one is removed."""
@@ -369,7 +382,7 @@ def _copy_records(appender: Appender, fd: int, moves: Sequence[Entry],
                 os.fdatasync(lane.seg_fd)
             for entry, blob in zip(group, blobs, strict=True):
                 entries.append(entry._replace(seg_id=lane.seg_id, offset=offset,
-                                              length=len(blob)))
+                                              length=len(blob), moves=entry.moves + 1))
                 offset += len(blob)
         finally:
             appender.release(lane, entries)

@@ -50,6 +50,8 @@ _MOVED_TRIES: Final = 3
 """Looks at the journals a read makes for pages whose segment it found gone. NOTE: one was
 not enough under constant compaction: the segment a page was moved to was compacted too
 before the second read, which then took the page for lost (a stress found it)."""
+_MAX_OBJECT: Final = (1 << 32) - 1
+"""Bytes of the largest page object (header + payload) a journal entry can name."""
 _RUN_BYTES: Final = 8 << 20
 """About the bytes of one run. NOTE: 8 MiB, not 4: 1 MiB pages then go 7 to a run, not 3,
 and cost 250-280 µs of CPU per page read instead of 290-370 (4 interleaved runs of 256 MiB)."""
@@ -90,6 +92,9 @@ class FileBackend(_FileUpkeep):
             self.root_dir = os.path.abspath(os.fspath(root_dir))
         except TypeError:
             raise ConfigError(f"root_dir: must be a path, got {root_dir!r}") from None
+        if object_size(fmt) > _MAX_OBJECT:  # a journal entry's length is 32 bits
+            raise ConfigError(f"fmt: a page object of {object_size(fmt)} bytes is more than "
+                              f"the file store's {_MAX_OBJECT} (payload_bytes too large)")
         self.fmt = fmt
         self.fsync = fsync
         self.segment_bytes = check_int("segment_bytes", segment_bytes, low=1)
@@ -115,7 +120,11 @@ class FileBackend(_FileUpkeep):
         self._closed = False
 
     async def __aenter__(self) -> Self:
-        await self._start()
+        try:
+            await self._start()
+        except BaseException:  # NOTE: else `async with` left the I/O thread running
+            await self.aclose()
+            raise
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -296,8 +305,10 @@ class FileBackend(_FileUpkeep):
         if self._executor is None or not self._started:
             return
         try:
-            await self._flush_touches(force=True)
-            await self._in_thread(self._appender.close)
+            try:
+                await self._flush_touches(force=True)
+            finally:  # NOTE: touches that cannot be journaled (a full disk) left every lane open
+                await self._in_thread(self._appender.shut)
         except OSError as exc:  # the store went away: nothing more to keep
             logger.debug("storage: closing %s: %s", self.root_dir, exc)
 

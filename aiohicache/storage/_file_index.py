@@ -316,13 +316,18 @@ def _outranks(a: Entry, b: Entry) -> bool:
     """Whether PUT `a` wins over PUT `b`: the later stamp, and on a tie (two instances
     that merged the same newest stamp stamp alike) the greater origin, as everywhere.
 
+    Of two entries of one write (the same stamp and origin), the one moved more wins: the
+    record's latest place.
+
     NOTE: origin 0 is unknown (an entry journaled by an earlier version, a compaction's
     move included): it neither wins nor loses a tie, so the entry applied later wins, as
     before origins. Taken as the least origin, an earlier version's move of a page lost
     the tie to the record it moved, and the page went with the moved-from segment."""
     if a.stamp != b.stamp:
         return a.stamp > b.stamp
-    return 0 < b.origin < a.origin
+    if a.origin != b.origin:
+        return 0 < b.origin < a.origin
+    return a.moves > b.moves  # one write, moved: the place it was moved to last
 
 
 def _same_record(a: Entry, b: Entry) -> bool:

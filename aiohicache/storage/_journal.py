@@ -67,10 +67,17 @@ class Entry(NamedTuple):
     """A PUT's write: the low 32 bits of the segment it was first written into (kept when a
     compaction moves it; 0: written by an older version). Breaks ties of stamps, and tells
     a write moved from another write stamped alike."""
+    moves: int = 0
+    """A PUT's compactions: 0 where it was written, one more at each move (kept in the
+    entry's spare field; 0 from an older version). Of two entries of one write (same stamp
+    and origin), the one moved more names the record's latest place. NOTE: the tie went to
+    whichever journal the directory listed last: an instance that read a write and its move
+    in one look (starting while another instance compacted) bound the key into the victim,
+    missed it once the victim was removed, and compacted the move away."""
 
     def pack(self) -> bytes:
-        fields = _ENTRY.pack(_MAGIC, self.kind, len(self.key), 0, self.seg_id, self.offset,
-                             self.length, self.origin, self.stamp,
+        fields = _ENTRY.pack(_MAGIC, self.kind, len(self.key), min(self.moves, 0xFFFF),
+                             self.seg_id, self.offset, self.length, self.origin, self.stamp,
                              self.key.encode("ascii"))
         return fields + _CHECK.pack(xxhash.xxh3_64_intdigest(fields))
 
@@ -85,11 +92,11 @@ def unpack_entries(data: bytes | memoryview) -> list[Entry]:
         (check,) = _CHECK.unpack_from(view, pos + _ENTRY.size)
         if xxhash.xxh3_64_intdigest(fields) != check:
             continue
-        magic, kind, key_len, _, seg_id, offset, length, origin, stamp, key = \
+        magic, kind, key_len, moves, seg_id, offset, length, origin, stamp, key = \
             _ENTRY.unpack(fields)
         if magic == _MAGIC and kind in (PUT, DELETE, TOUCH) and 16 <= key_len <= 128:
             out.append(Entry(key[:key_len].decode("ascii", "replace"), kind, seg_id, offset,
-                             length, stamp, origin))
+                             length, stamp, origin, moves))
     return out
 
 
@@ -111,7 +118,7 @@ class JournalScan:
     def in_stamp_order(self) -> list[Entry]:
         """Every entry found, oldest stamp first (so applying them in order, the last wins)."""
         return sorted((e for _, batch in self.entries for e in batch),
-                      key=lambda e: (e.stamp, e.origin))
+                      key=lambda e: (e.stamp, e.origin, e.moves))
 
 
 def read_journals(root: str, read_to: dict[int, int],
