@@ -186,7 +186,9 @@ class HiCache:
         """Stop accepting work, let queued and in-flight copies settle, stop the workers.
 
         Idempotent; concurrent calls wait for the same close. Open fetch contexts may still
-        exit afterwards (they only unpin).
+        exit afterwards (they only unpin). L3 backups and prefetches still queued or in
+        flight are cancelled (a close does not wait on storage): to have the last backups
+        stored, ``await cache.drain()`` first.
 
         Cancellation: the close runs to the end first, then the cancellation propagates.
         """
