@@ -187,8 +187,9 @@ class HiCache:
 
         Idempotent; concurrent calls wait for the same close. Open fetch contexts may still
         exit afterwards (they only unpin). L3 backups and prefetches still queued or in
-        flight are cancelled (a close does not wait on storage): to have the last backups
-        stored, ``await cache.drain()`` first.
+        flight are cancelled (a close does not wait on storage; a backup cancelled mid-write
+        may still have stored some pages): to have the last backups stored, ``await
+        cache.drain()`` first.
 
         Cancellation: the close runs to the end first, then the cancellation propagates.
         """
