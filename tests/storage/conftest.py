@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +44,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
+from aiohicache._redis_server import RedisServer
 from aiohicache.storage import (
     FaultyBackend,
     FileBackend,
@@ -59,7 +60,7 @@ from aiohicache.storage._journal import Entry, segment_path
 from aiohicache.storage.redis import RedisBackend, RedisClusterBackend
 
 from . import segment_hooks as hooks
-from .redis_server import shared_cluster, shared_server
+from .redis_server import shared_cluster, shared_server, started
 
 T = TypeVar("T")
 
@@ -357,3 +358,23 @@ def make_keys(num: int, *, seed: int = 0) -> list[str]:
 def make_page(key: str, *, version: int = 0) -> bytes:
     """The page stored under `key` (a different one for another `version`)."""
     return hashlib.shake_128(f"{key}/{version}".encode()).digest(PAYLOAD)
+
+
+def page_views(keys: list[str]) -> list[memoryview]:
+    """`make_page` of each key, as the buffers `set_from` takes."""
+    return [memoryview(make_page(key)) for key in keys]
+
+
+async def read_pages(backend: StorageBackend, keys: list[str]) -> list[bytes | None]:
+    """What `get_into` reads for each key (None: a miss)."""
+    buffers = [bytearray(PAYLOAD) for _ in keys]
+    hits = await backend.get_into(keys, [memoryview(b) for b in buffers])
+    return [bytes(b) if hit else None for hit, b in zip(hits, buffers, strict=True)]
+
+
+@pytest.fixture
+def own_server() -> Iterator[RedisServer]:
+    """A Redis server of this test's own, to kill or pause."""
+    server = started(RedisServer())
+    yield server
+    server.stop()

@@ -19,7 +19,9 @@ from aiohicache.storage import backend_from_url
 from aiohicache.storage.errors import StorageError, StorageReadError, StorageWriteError
 from aiohicache.storage.redis import RedisClusterBackend
 
-from .conftest import FMT, PAYLOAD, make_keys, make_page
+from .conftest import FMT, make_keys, make_page
+from .conftest import page_views as pages
+from .conftest import read_pages as read
 from .redis_server import shared_cluster
 
 
@@ -43,14 +45,6 @@ def cluster() -> LocalCluster:
     return shared_cluster()
 
 
-def pages(keys: list[str]) -> list[memoryview]:
-    return [memoryview(make_page(key)) for key in keys]
-
-
-async def read(backend: RedisClusterBackend, keys: list[str]) -> list[bytes | None]:
-    buffers = [bytearray(PAYLOAD) for _ in keys]
-    hits = await backend.get_into(keys, [memoryview(b) for b in buffers])
-    return [bytes(b) if hit else None for hit, b in zip(hits, buffers, strict=True)]
 
 
 def node(port: int) -> redis.Redis:

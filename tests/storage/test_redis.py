@@ -62,13 +62,6 @@ async def backend(redis_url: str) -> AsyncIterator[RedisBackend]:
         yield b
 
 
-@pytest.fixture
-def own_server() -> Iterator[RedisServer]:
-    """A server of this test's own, to kill or pause."""
-    server = started(RedisServer())
-    yield server
-    server.stop()
-
 
 @pytest.fixture
 def auth_server() -> Iterator[RedisServer]:

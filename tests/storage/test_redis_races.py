@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from redis.asyncio.connection import Connection
@@ -15,21 +15,10 @@ from redis.asyncio.connection import Connection
 from aiohicache import ClosedError
 from aiohicache._redis_server import RedisServer
 from aiohicache.storage.redis import RedisBackend
-from tests.storage.redis_server import raw_client, started
+from tests.storage.redis_server import raw_client
 
-from .conftest import FMT, PAYLOAD, make_keys, make_page
-
-
-@pytest.fixture
-def own_server() -> Iterator[RedisServer]:
-    """A server of this test's own, to pause."""
-    server = started(RedisServer())
-    yield server
-    server.stop()
-
-
-def pages(keys: list[str]) -> list[memoryview]:
-    return [memoryview(make_page(key)) for key in keys]
+from .conftest import FMT, PAYLOAD, make_keys
+from .conftest import page_views as pages
 
 
 def buffers(n: int) -> list[memoryview]:

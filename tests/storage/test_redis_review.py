@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -16,26 +15,10 @@ from aiohicache._redis_server import RedisServer
 from aiohicache.errors import ConfigError
 from aiohicache.storage.redis import RedisBackend, RedisClusterBackend
 
-from .conftest import FMT, PAYLOAD, make_keys, make_page
-from .redis_server import shared_cluster, shared_server, started
-
-
-@pytest.fixture
-def own_server() -> Iterator[RedisServer]:
-    """A server of this test's own, to pause."""
-    server = started(RedisServer())
-    yield server
-    server.stop()
-
-
-def pages(keys: list[str]) -> list[memoryview]:
-    return [memoryview(make_page(key)) for key in keys]
-
-
-async def read(backend: RedisBackend, keys: list[str]) -> list[bytes | None]:
-    buffers = [bytearray(PAYLOAD) for _ in keys]
-    hits = await backend.get_into(keys, [memoryview(b) for b in buffers])
-    return [bytes(b) if hit else None for hit, b in zip(hits, buffers, strict=True)]
+from .conftest import FMT, make_keys, make_page
+from .conftest import page_views as pages
+from .conftest import read_pages as read
+from .redis_server import shared_cluster, shared_server
 
 
 def drop_clients(ports: list[int]) -> int:

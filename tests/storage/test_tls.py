@@ -22,6 +22,7 @@ from aiohicache.storage.redis import RedisBackend
 from tests.conftest import make_config, make_tokens, prefill
 
 from .conftest import FMT, PAYLOAD, make_keys, make_page
+from .conftest import page_views as pages
 from .redis_server import started
 
 
@@ -70,9 +71,6 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsServer]:
     finally:
         server.stop()
 
-
-def pages(keys: list[str]) -> list[memoryview]:
-    return [memoryview(make_page(key)) for key in keys]
 
 
 async def test_rediss_with_verification_round_trips(tls: TlsServer) -> None:
