@@ -100,6 +100,9 @@ class Request:
                 return self._plan_enter(match, ctl)
             assert storage is not None
             self._prefetching = job
+            # NOTE: our own L1+L2 match, not the prefetch's start: a prefetch joined in flight
+            # may start before pages we had in L2, and those were counted as L3 hits
+            self._pre_storage_pages = sum(n.num_pages for n in match.path)
             wait = storage.wait_seconds(len(self.tokens) - job.start_page * ctl.tree.page_size)
             if wait and not job.done.is_set():
                 op.deadline = None if math.isinf(wait) else time.monotonic() + wait
@@ -111,7 +114,6 @@ class Request:
     def _after_prefetch(self, job: PrefetchJob) -> Match:
         if job.done.is_set():
             self._storage_pages = job.inserted
-            self._pre_storage_pages = job.start_page
         return self.core.tree.match(self.tokens, touch=False)
 
     def _plan_enter(self, match: Match, ctl: Controller) -> Plan[None]:

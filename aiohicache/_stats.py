@@ -46,7 +46,9 @@ class StorageStats(_ByName):
     """Prefetches skipped because L3 recently did not have the prefix."""
     backed_up_pages: int
     backup_failed_pages: int
+    """Pages L3 refused or failed to store."""
     backups_skipped: int
+    """Pages of backups a close cancelled before L3 took them (not failures)."""
     errors: int
     """L3 operations that failed (each one a miss)."""
     bypassed: int

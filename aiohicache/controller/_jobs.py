@@ -25,7 +25,7 @@ T = TypeVar("T")
 class _Job(PendingOp):
     """A planned copy: its nodes are in a transitional state until `settle()` applies it."""
 
-    __slots__ = ("dst", "handle", "launched", "src")
+    __slots__ = ("copy_pages", "dst", "handle", "launched", "src")
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,6 +33,17 @@ class _Job(PendingOp):
         self.dst: PageIds = np.empty(0, dtype=np.int64)
         self.handle: TransferHandle | None = None
         self.launched: Promise[None] = Promise()
+        self.copy_pages = 0
+        """Pages of the whole copy this job was launched in (its own and those merged with
+        it): the job's share of the copy's duration is ``num_pages / copy_pages``."""
+
+    @property
+    def seconds(self) -> float:
+        """This job's share of its copy's duration, by pages: the shares of a merged copy
+        add up to its duration once (each job observed the whole of it before)."""
+        assert self.handle is not None
+        share = self.num_pages / self.copy_pages if self.copy_pages else 1.0
+        return self.handle.seconds * share
 
     @property
     def num_pages(self) -> int:

@@ -37,6 +37,7 @@ class StorageCounters:
     backed_up_pages: int = 0
     backup_failed_pages: int = 0
     backups_skipped: int = 0
+    """Pages of backups `aclose` cancelled (not refused by the store: not failed)."""
     errors: int = 0
     bypassed: int = 0
 

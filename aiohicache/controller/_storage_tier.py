@@ -337,7 +337,7 @@ class StorageTier(TPResults):
         except Exception as exc:  # a failed backup loses nothing: the host copy stays
             self._fail("backup", exc)
         except BaseException:  # cancelled (closing): no tick will settle it, release here
-            self._on_stored(backup, ok)
+            self._on_stored(backup, ok, cancelled=True)
             raise
         if self.tp and not self.tp_stopped:  # the tick applies the prefix every rank stored
             backup.proposal = next((i for i, good in enumerate(ok) if not good), len(ok))
@@ -377,8 +377,9 @@ class StorageTier(TPResults):
             return True
         return int.from_bytes(key[:8], "little") % self.config.tp.size == self.config.tp.rank
 
-    def _on_stored(self, backup: _Backup, ok: list[bool]) -> None:
-        """Sync: record which pages are in L3, release the pins."""
+    def _on_stored(self, backup: _Backup, ok: list[bool], *, cancelled: bool = False) -> None:
+        """Sync: record which pages are in L3, release the pins. Pages of a `cancelled`
+        backup not known stored count as skipped: the store refused none of them."""
         done = {key for key, good in zip(backup.keys, ok, strict=True) if good}
         for node in backup.nodes:
             if node.alive and node.hashes is not None:
@@ -392,7 +393,10 @@ class StorageTier(TPResults):
         for key in done:  # stored now: a negative-cache entry for it would hide a real hit
             self._misses.discard(key)
         self.counters.backed_up_pages += sum(ok)
-        self.counters.backup_failed_pages += len(ok) - sum(ok)
+        if cancelled:
+            self.counters.backups_skipped += len(ok) - sum(ok)
+        else:
+            self.counters.backup_failed_pages += len(ok) - sum(ok)
         self._backing_up.remove(backup)
         for node in backup.nodes:
             self.tree.release_host(node)

@@ -324,6 +324,7 @@ class Controller:
         handle.add_done_callback(lambda _: self._wakeup.set())
         for job in batch:
             job.handle = handle
+            job.copy_pages = len(src)  # NOTE: each job timed its share, not the whole copy
             if not job.launched.done():
                 job.launched.set_result(None)
             inflight.append(job)
@@ -366,7 +367,7 @@ class Controller:
         self.counters.loads += 1
         self.counters.loaded_bytes += job.num_pages * self.config.page_bytes
         self.counters.histograms.observe_load(job.num_pages * self.config.page_bytes,
-                                              job.handle.seconds)
+                                              job.seconds)
 
     def _settle_write(self, job: WriteJob) -> None:
         assert job.handle is not None
@@ -382,7 +383,7 @@ class Controller:
         self.counters.writes += 1
         self.counters.written_bytes += job.num_pages * self.config.page_bytes
         self.counters.histograms.observe_store(job.num_pages * self.config.page_bytes,
-                                               job.handle.seconds)
+                                               job.seconds)
 
     def _record_failure(self, handle: TransferHandle) -> bool:
         # A failed copy between L1 and L2 leaves KV of unknown content in pages the tree
