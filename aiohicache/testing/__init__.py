@@ -70,8 +70,13 @@ def hicache_config() -> HiCacheConfig:
 
 
 @pytest_asyncio.fixture
-async def hicache_factory() -> AsyncIterator[CacheFactory]:
-    """``await make(config)``: an open cache, checked and closed after the test."""
+async def hicache_factory(faulty_storage: StorageFactory) -> AsyncIterator[CacheFactory]:
+    """``await make(config)``: an open cache, checked and closed after the test.
+
+    NOTE: it asks for `faulty_storage` only to be torn down before it: the check drains the
+    caches' backups, which need their stores open (asked for after this fixture, the stores
+    closed first and those backups failed unseen).
+    """
     caches: list[HiCache] = []
 
     async def make(config: HiCacheConfig) -> HiCache:

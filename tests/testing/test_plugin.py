@@ -90,6 +90,29 @@ async def test_an_mla_cache_and_a_cache_of_ones_own(hicache_factory: object,
             spec=KVSpec.mha(num_layers=1, num_kv_heads=1, head_dim=4, dtype="fp8"))))
 
 
+def test_the_caches_are_checked_and_closed_before_their_stores(tmp_path: Path) -> None:
+    """Whatever order a test asks for the fixtures in: the after-test check drains the
+    caches' backups, which need their store open (closed first, they failed unseen)."""
+    out = run_pytest(tmp_path, """
+import pytest
+from aiohicache.testing import KVOracle, small_config, with_storage
+
+SEEN = []
+
+@pytest.mark.asyncio
+async def test_backs_up(hicache_factory, faulty_storage):
+    config = small_config()
+    cache = await hicache_factory(with_storage(config, faulty_storage(config)))
+    await KVOracle(cache).prefill(list(range(64)))
+    SEEN.append(cache)
+
+def test_after():
+    storage = SEEN[0].stats().storage
+    assert storage["errors"] == 0 and storage["backed_up_pages"] > 0, storage
+""")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 async def test_faulty_storage_injects_faults_and_hits_stay_exact(
         hicache_factory: object, faulty_storage: object) -> None:
     config = small_config(prefetch_policy="wait_complete", prefetch_threshold=4)
