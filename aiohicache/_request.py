@@ -17,6 +17,7 @@ import torch
 from ._core import Core
 from ._executor import AGAIN, Op, Plan
 from ._invariants import concat_pages
+from ._leases import FREEING
 from ._tokens import Tokens
 from .controller import Controller, LoadJob, PrefetchJob
 from .errors import CapacityError, ClosedError, ConfigError
@@ -187,7 +188,7 @@ class Request:
         # NOTE: the pages this context holds (its pinned prefix, its leases) cannot be evicted
         # for it: asking past the rest evicted every other unpinned page, then failed anyway.
         # Checked here, at the tick with TP: every rank sees the same leases.
-        held = len(self.pages) + sum(map(len, self.leases))
+        held = len(self.pages) + self._leased_pages()
         capacity = self.core.tree.device_alloc.capacity
         if num_pages + held > capacity:
             raise CapacityError(f"asked for {num_pages} device pages; the pool has {capacity}, "
@@ -196,6 +197,15 @@ class Request:
         if plan is not AGAIN:
             self.leases.append(plan.result)
         return plan
+
+    def _leased_pages(self) -> int:
+        """Pages this context still leases (or is freeing): not those it gave back with
+        `HiCache.free`, nor those of a cancelled allocate, which its `leases` still list."""
+        if not self.leases:
+            return 0
+        pages = np.unique(np.concatenate(self.leases))
+        owners = self.core.leases.owner[pages]
+        return int(np.count_nonzero((owners == self.owner) | (owners == FREEING)))
 
     def took_pages(self, pages: PageIds, num_tokens: int) -> None:
         """`allocate` leased `pages` for `num_tokens` (after the partial page, if any)."""
@@ -220,6 +230,8 @@ class Request:
         # Insert before the leases end: if it raises, the pages are still leased, not lost.
         res = core.tree.insert(toks[:num_full * ps], all_pages, start_page=len(self.pages),
                                hashes=hashes)
+        if core.storage is not None:  # a host-only node taking our pages counted a hit too
+            core.storage.on_hits(res.new_nodes)
         core.leases.release(pages[:new_full], free=False)
         self.leases = [kept for p in self.leases if len(kept := core.leases.owned(p, self.owner))]
         for dup in res.duplicate_pages:

@@ -45,13 +45,17 @@ class StorageCounters:
 class PrefetchJob:
     """One prefetch of the pages ``start_page..`` of `tokens`; `done` gives pages inserted."""
 
-    __slots__ = ("agreed", "done", "held", "inserted", "keys", "proposal", "reserved",
-                 "start_page", "tokens")
+    __slots__ = ("agreed", "done", "held", "inserted", "keys", "miss_page", "proposal",
+                 "reserved", "start_page", "tokens")
 
-    def __init__(self, tokens: Tokens, start_page: int, keys: list[bytes]) -> None:
+    def __init__(self, tokens: Tokens, start_page: int, keys: list[bytes],
+                 miss_page: int | None = None) -> None:
         self.tokens = tokens
         self.start_page = start_page
         self.keys = keys
+        self.miss_page = start_page if miss_page is None else miss_page
+        """The first page past the L1+L2 match: the negative cache's key when L3 has too
+        few pages (not `start_page`, which may be a device-only page of a shared prompt)."""
         self.inserted = 0
         self.held: list[Node] = []
         """Host-only nodes of the match, pinned so reserving host pages cannot evict them."""

@@ -126,7 +126,8 @@ class StorageTier(TPResults):
         Joins a running prefetch of the same pages (single flight).
         """
         ps, cfg = self.config.page_size, self.config
-        tail_pages = len(tokens) // ps - sum(n.num_pages for n in path)
+        matched = sum(n.num_pages for n in path)
+        tail_pages = len(tokens) // ps - matched
         if self._tg is None or tail_pages * ps < max(cfg.l3.prefetch_threshold, 1):
             return None
         # NOTE: L3 pages join L2 only under a host copy of their prefix (host residency is
@@ -141,13 +142,15 @@ class StorageTier(TPResults):
         # breaker is asked, so neither takes its half-open probe nor counts as a success
         if (job := self._covering(keys, start)) is not None:
             return job
-        if self._misses.hit(first, self._now()):
+        # NOTE: a miss is remembered by the first page past the match: `first` may be a page
+        # of a device-only prompt, and its miss hid every other continuation's L3 pages
+        if self._misses.hit(keys[matched], self._now()):
             self.counters.negative_hits += 1
             return None
         if not self._allow():
             self.counters.bypassed += 1
             return None
-        job = PrefetchJob(tokens[:len(tokens) // ps * ps], start, keys)
+        job = PrefetchJob(tokens[:len(tokens) // ps * ps], start, keys, matched)
         job.held = [n for n in path[:host] if not n.on_device]
         for node in job.held:
             self.tree.protect_host(node)
@@ -231,7 +234,7 @@ class StorageTier(TPResults):
         """Sync: L3 has `count` pages; reserve host pages for them. False: nothing to read."""
         if count * self.config.page_size < max(self.config.l3.prefetch_threshold, 1):
             self.counters.prefetch_misses += 1
-            self._misses.add(job.keys[job.start_page], self._now())
+            self._misses.add(job.keys[job.miss_page], self._now())
             return False
         budget = int(self.host_pool.num_pages * self.config.l3.prefetch_host_fraction)
         held = sum(len(p) for p in self.reserved_host.values())
