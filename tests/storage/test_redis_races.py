@@ -98,10 +98,15 @@ def _after_turns(turns: int, fn: Callable[[], object]) -> None:
         loop.call_soon(fn)
 
 
+@pytest.mark.parametrize("limit", ["keyword", "url"])
 async def test_a_waiter_cancelled_as_a_connection_frees_passes_it_on(
-        own_server: RedisServer) -> None:
+        own_server: RedisServer, limit: str) -> None:
+    """`url`: ``max_connections`` in the URL sized redis-py's pool below the backend's own
+    limit (the URL wins there), so callers waited in the pool again (a review found it)."""
     keys = make_keys(2)
-    async with RedisBackend(own_server.url(), FMT, max_connections=1) as b:
+    url, kwargs = (own_server.url(), {"max_connections": 1}) if limit == "keyword" else \
+        (f"{own_server.url()}?max_connections=1", {})
+    async with RedisBackend(url, FMT, **kwargs) as b:
         await b.set_from(keys, pages(keys))
         for turns in range(6):  # NOTE: the turn it must land on differs between loops
             own_server.pause()

@@ -5,7 +5,6 @@ than the backend thinks. Each test runs against real redis-server processes."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 
 import pytest
@@ -126,40 +125,3 @@ def test_a_bad_cluster_url_is_a_config_error(url: str) -> None:
     `backend_from_url` turned them into a ConfigError)."""
     with pytest.raises(ConfigError, match="url"):
         RedisClusterBackend(url, FMT)
-
-
-async def test_a_waiter_cancelled_as_a_connection_frees_passes_it_on_with_a_url_pool_limit(
-        own_server: RedisServer) -> None:
-    """``max_connections`` in the URL sized redis-py's pool below the backend's own limit,
-    so callers waited in the pool's asyncio.Condition again, which (Python 3.11) drops a
-    wake-up whose waiter is cancelled before it runs: the next caller hung beside a free
-    connection (the race `test_redis_races` pins for the keyword argument)."""
-    keys = make_keys(2, seed=103)
-    async with RedisBackend(f"{own_server.url()}?max_connections=1", FMT) as b:
-        await b.set_from(keys, pages(keys))
-        for turns in range(6):
-            own_server.pause()
-            try:
-                holder = asyncio.ensure_future(b.exists(keys))
-                await asyncio.sleep(0.05)
-                first, second = (asyncio.ensure_future(b.exists(keys)) for _ in range(2))
-                await asyncio.sleep(0.05)
-                holder.cancel()
-                _after_turns(turns, first.cancel)
-                await asyncio.sleep(0.05)
-            finally:
-                own_server.resume()
-            async with asyncio.timeout(2.0):
-                assert await second == 2, f"cancelled {turns} turns after the wake-up"
-            for task in (holder, first):
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-
-
-def _after_turns(turns: int, fn: object) -> None:
-    """Call `fn` on the loop's `turns`-th turn from now (0: the next)."""
-    loop = asyncio.get_running_loop()
-    if turns:
-        loop.call_soon(_after_turns, turns - 1, fn)
-    else:
-        loop.call_soon(fn)  # type: ignore[arg-type]
