@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -61,6 +62,6 @@ def _check_refs(core: Core) -> None:
             raise InvariantError(f"{n!r}: host_ref {n.host_ref}, live loads {host_refs[n.id]}")
 
 
-def concat_pages(parts: list[PageIds | None]) -> PageIds:
+def concat_pages(parts: Sequence[PageIds | None]) -> PageIds:
     arrays = [p for p in parts if p is not None]
     return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)

@@ -75,5 +75,11 @@ class Leases:
         owned: PageIds = pages[self.owner[pages] == owner]
         return owned
 
+    def num_held(self, pages: PageIds, owner: int) -> int:
+        """How many distinct `pages` are still leased to `owner` or being freed (TP: a free
+        takes effect at its tick, so every rank counts them alike until then)."""
+        owners = self.owner[np.unique(pages)]
+        return int(np.count_nonzero((owners == owner) | (owners == FREEING)))
+
     def leased_pages(self) -> PageIds:
         return np.flatnonzero(self.owner != 0)

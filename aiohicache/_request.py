@@ -17,7 +17,6 @@ import torch
 from ._core import Core
 from ._executor import AGAIN, Op, Plan
 from ._invariants import concat_pages
-from ._leases import FREEING
 from ._tokens import Tokens
 from .controller import Controller, LoadJob, PrefetchJob
 from .errors import CapacityError, ClosedError, ConfigError
@@ -188,7 +187,10 @@ class Request:
         # NOTE: the pages this context holds (its pinned prefix, its leases) cannot be evicted
         # for it: asking past the rest evicted every other unpinned page, then failed anyway.
         # Checked here, at the tick with TP: every rank sees the same leases.
-        held = len(self.pages) + self._leased_pages()
+        # (`leases` still lists pages given back with `HiCache.free` or by a cancelled
+        # allocate: only those still held count)
+        leased = concat_pages(self.leases)
+        held = len(self.pages) + self.core.leases.num_held(leased, self.owner)
         capacity = self.core.tree.device_alloc.capacity
         if num_pages + held > capacity:
             raise CapacityError(f"asked for {num_pages} device pages; the pool has {capacity}, "
@@ -197,15 +199,6 @@ class Request:
         if plan is not AGAIN:
             self.leases.append(plan.result)
         return plan
-
-    def _leased_pages(self) -> int:
-        """Pages this context still leases (or is freeing): not those it gave back with
-        `HiCache.free`, nor those of a cancelled allocate, which its `leases` still list."""
-        if not self.leases:
-            return 0
-        pages = np.unique(np.concatenate(self.leases))
-        owners = self.core.leases.owner[pages]
-        return int(np.count_nonzero((owners == self.owner) | (owners == FREEING)))
 
     def took_pages(self, pages: PageIds, num_tokens: int) -> None:
         """`allocate` leased `pages` for `num_tokens` (after the partial page, if any)."""

@@ -49,11 +49,11 @@ class PrefetchJob:
                  "reserved", "start_page", "tokens")
 
     def __init__(self, tokens: Tokens, start_page: int, keys: list[bytes],
-                 miss_page: int | None = None) -> None:
+                 miss_page: int) -> None:
         self.tokens = tokens
         self.start_page = start_page
         self.keys = keys
-        self.miss_page = start_page if miss_page is None else miss_page
+        self.miss_page = miss_page
         """The first page past the L1+L2 match: the negative cache's key when L3 has too
         few pages (not `start_page`, which may be a device-only page of a shared prompt)."""
         self.inserted = 0

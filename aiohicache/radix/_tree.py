@@ -158,10 +158,7 @@ class RadixTree(TreeState):
                 if first < start_page or not (node is self.root or node.on_host):
                     break
                 own = slice(first - start_page, first - start_page + child.num_pages)
-                self._set_host(child, host_pages[own].copy(), HostState.RESIDENT)
-                if child.hashes is None:
-                    child.hashes = hashes[first:first + child.num_pages]
-                child.stored = [True] * child.num_pages
+                self._adopt_host_copy(child, host_pages[own], hashes[first:])
                 used[own] = True
                 nodes.append(child)
             pos += len(child.key)
@@ -170,18 +167,31 @@ class RadixTree(TreeState):
             first = pos // ps
             if first >= start_page and pos < len(tokens) and (
                     node is self.root or node.on_host):
-                leaf = Node(id=next(self._ids), parent=node, key=tokens[pos:].copy(),
-                            hashes=hashes[first:len(tokens) // ps],
-                            stored=[True] * (len(tokens) // ps - first))
-                node.children[leaf.key[:ps].tobytes()] = leaf
-                self._num_nodes += 1
-                self._set_host(leaf, host_pages[first - start_page:].copy(),
-                               HostState.RESIDENT)
+                nodes.append(self._add_host_leaf(node, tokens[pos:],
+                                                 host_pages[first - start_page:],
+                                                 hashes[first:len(tokens) // ps]))
                 used[first - start_page:] = True
-                nodes.append(leaf)
         if nodes:
             self._touch(nodes[-1].path_to_root()[::-1], hit=False)
         return nodes, [host_pages[~used]]
+
+    def _adopt_host_copy(self, node: Node, pages: PageIds, hashes: list[bytes]) -> None:
+        """Give a device-only `node` its host copy from L3 `pages` (`hashes` from its first
+        page on): the same keys, so the same KV; in L3, so stored."""
+        self._set_host(node, pages.copy(), HostState.RESIDENT)
+        if node.hashes is None:
+            node.hashes = hashes[:node.num_pages]
+        node.stored = [True] * node.num_pages
+
+    def _add_host_leaf(self, parent: Node, key: Tokens, pages: PageIds,
+                       hashes: list[bytes]) -> Node:
+        """A host-only leaf of L3 `pages` under `parent` (whole pages: `key` and `hashes`)."""
+        leaf = Node(id=next(self._ids), parent=parent, key=key.copy(), hashes=hashes,
+                    stored=[True] * len(hashes))
+        parent.children[leaf.key[:self.page_size].tobytes()] = leaf
+        self._num_nodes += 1
+        self._set_host(leaf, pages.copy(), HostState.RESIDENT)
+        return leaf
 
     def _add_leaf(self, parent: Node, key: Tokens, pages: PageIds) -> Node:
         leaf = Node(id=next(self._ids), parent=parent, key=key)
