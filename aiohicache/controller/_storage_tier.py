@@ -96,6 +96,7 @@ class StorageTier(TPResults):
         self._misses = _MissCache(ttl=config.l3.miss_ttl,
                                   max_entries=config.l3.miss_max_entries)
         self._backing_up: list[_Backup] = []
+        self._backing_nodes: set[int] = set()  # ids of the nodes in `_backing_up`
         self._backup_bytes = 0
         self._backup_room = anyio.Event()
         self._tg: TaskGroup | None = None
@@ -299,24 +300,30 @@ class StorageTier(TPResults):
     # ------------------------------------------------------------------ backup
 
     def on_hits(self, path: list[Node]) -> None:
-        """`path` was just matched (a hit each): back up the host copies that reached
-        `backup_threshold` hits now (those written through earlier were not picked when
-        their write settled; those still being written are picked when it settles)."""
-        threshold = self.config.l3.backup_threshold
-        if reached := [n for n in path if n.hit_count == threshold]:
-            self.queue_backup(reached)
+        """`path` was just matched (a hit each): back up the host copies that are due now
+        (see `queue_backup`; those still being written are picked when the write settles).
+
+        NOTE: not only at the hit that reaches `backup_threshold`: a backup bypassed while
+        the breaker was open, or failed, was then never sent again, and other instances
+        recomputed that prefix for ever."""
+        self.queue_backup(path)
 
     def queue_backup(self, nodes: list[Node]) -> None:
-        """Back up the settled host copies of `nodes` (those with enough hits), later."""
+        """Back up the settled host copies of `nodes` that are due, later: not all in L3,
+        not being backed up, `backup_threshold` hits, and twice the hits of the last try
+        (a store that keeps failing or refusing is not asked again on every hit)."""
+        threshold = self.config.l3.backup_threshold
         picked = [n for n in nodes if n.alive and n.host_state is HostState.RESIDENT
-                  and n.hashes is not None and n.hit_count >= self.config.l3.backup_threshold
-                  and not all(n.stored or ())]
+                  and n.hashes is not None and n.hit_count >= max(threshold, 2 * n.backup_hits)
+                  and n.id not in self._backing_nodes and not all(n.stored or ())]
         if not picked or self._tg is None:
             return
-        if not self._allow():
+        if not self._allow():  # tried again at a later hit: a bypass asks the store nothing
             self.counters.bypassed += 1
             return
         for node in picked:
+            node.backup_hits = node.hit_count
+            self._backing_nodes.add(node.id)
             self.tree.protect_host(node)  # its host pages stay put until the copy is done
         backup = _Backup(picked)
         self._backing_up.append(backup)
@@ -402,10 +409,13 @@ class StorageTier(TPResults):
             self.counters.backup_failed_pages += len(ok) - sum(ok)
         self._backing_up.remove(backup)
         for node in backup.nodes:
+            self._backing_nodes.discard(node.id)
             self.tree.release_host(node)
         self._signal()
 
     def _on_split(self, node: Node, upper: Node) -> None:
+        if node.id in self._backing_nodes:
+            self._backing_nodes.add(upper.id)
         for group in self.backup_holds():
             if any(n is node for n in group):
                 group.append(upper)

@@ -84,6 +84,9 @@ class Node:
     """Per-page storage keys (chained page digests) when an L3 tier is configured."""
     stored: list[bool] | None = None
     """Per page: known to be in L3 (backed up or prefetched from there)."""
+    backup_hits: int = 0
+    """`hit_count` when its host copy was last sent to L3 (0: never); a copy the store
+    failed or refused is sent again once the hits have doubled."""
 
     def __repr__(self) -> str:
         return (f"<Node {self.id} pages={self.num_pages} device={self.device_state.value} "

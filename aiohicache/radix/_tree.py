@@ -213,7 +213,8 @@ class RadixTree(TreeState):
         upper = Node(id=next(self._ids), parent=parent, key=head,
                      device_state=node.device_state, host_state=node.host_state,
                      lock_ref=node.lock_ref, host_ref=node.host_ref, hit_count=node.hit_count,
-                     last_access=node.last_access, load_op=node.load_op, write_op=node.write_op)
+                     last_access=node.last_access, load_op=node.load_op, write_op=node.write_op,
+                     backup_hits=node.backup_hits)
         if node.device_pages is not None:
             upper.device_pages, node.device_pages = (node.device_pages[:num_pages].copy(),
                                                      node.device_pages[num_pages:].copy())

@@ -133,6 +133,73 @@ async def test_l3_pages_after_a_prefix_held_only_on_the_device_are_served(
     await backend.aclose()
 
 
+async def test_a_backup_refused_while_the_breaker_was_open_is_sent_after_it_closes() -> None:
+    """The store fails while a prefix is written through, so the breaker opens and its
+    backup is bypassed. Backups were queued only when a node's write settled or its hits
+    reached `backup_threshold` exactly, so once the store recovered that prefix never
+    reached L3, however often it was hit: other instances recomputed it for ever."""
+    backend = shared_memory_store()
+    faulty = FaultyBackend(backend, seed=0, error_rate=1.0)
+    prompt = make_tokens(16, seed=60)
+    cfg = make_config(storage=faulty, storage_failures_to_open=1, storage_cooldown=0.05, **L3)
+    async with HiCache(cfg) as cache:
+        tier = cache.storage
+        assert tier is not None
+        assert await serve(cache, prompt) == (0, 0)  # its prefetch fails: the breaker opens
+        await cache.drain()
+        assert tier.counters.bypassed >= 1 and tier.counters.backed_up_pages == 0
+        faulty.error_rate = 0.0  # the store is back
+        await anyio.sleep(0.1)  # past the cooldown
+        for _ in range(2):
+            assert await serve(cache, prompt) == (16, 0)
+            await cache.drain()
+        assert tier.counters.backed_up_pages == 4, "the bypassed backup was never sent"
+        cache.check_invariants()
+    async with HiCache(make_config(storage=backend, **L3)) as fresh:
+        assert await serve(fresh, prompt) == (16, 16)
+        await fresh.drain()
+    await backend.aclose()
+
+
+async def test_a_failed_backup_is_sent_again_as_hits_double_not_on_every_hit() -> None:
+    """A backup the store failed is tried again when the node's hits have doubled since the
+    last try (a popular prefix reaches L3 after a transient fault), not on every hit (a
+    store that keeps failing is not hammered once per request)."""
+    backend = shared_memory_store()
+    faulty = FaultyBackend(backend, seed=0)
+    prompt = make_tokens(16, seed=61)
+    cfg = make_config(storage=faulty, storage_failures_to_open=100, **L3)
+    async with HiCache(cfg) as cache:
+        tier = cache.storage
+        assert tier is not None
+        await store_nothing_first(cache, faulty, prompt)  # hit 1: its backup failed
+        tries = []
+        for _ in range(7):  # hits 2..8
+            before = tier.counters.backup_failed_pages
+            assert await serve(cache, prompt) == (16, 0)
+            await cache.drain()
+            tries.append(tier.counters.backup_failed_pages > before)
+        assert tries == [True, False, True, False, False, False, True]  # hits 2, 4, 8
+        faulty.error_rate = 0.0
+        for _ in range(8):  # hits 9..16: the try at 16 succeeds
+            await serve(cache, prompt)
+            await cache.drain()
+        assert tier.counters.backed_up_pages == 4
+        cache.check_invariants()
+    await backend.aclose()
+
+
+async def store_nothing_first(cache: HiCache, faulty: FaultyBackend,
+                              prompt: Sequence[int]) -> None:
+    """Compute `prompt` in `cache` with its L3 store failing every call, then leave the store
+    failing (the breaker stays closed: it opens after many failures)."""
+    faulty.error_rate = 1.0
+    assert await serve(cache, prompt) == (0, 0)
+    await cache.drain()
+    st = cache.stats().storage
+    assert st is not None and st["backup_failed_pages"] == 4 and st["breaker"] == "closed"
+
+
 # ------------------------------------------------------------------------------ checked, fine
 
 async def test_two_caches_over_one_directory_writing_the_same_prefixes_serve_them_right(
