@@ -165,14 +165,14 @@ class StorageTier(TPResults):
 
     def _covering(self, keys: list[bytes], start: int) -> PrefetchJob | None:
         """A prefetch in flight of every page of `keys` from `start` on (its keys hold our
-        last key: the same prefix). NOTE: sharing by the first page asked for joined a
-        prefetch of another continuation (a shared system prompt, then another question),
-        and our pages in L3 were missed."""
+        last key: the same prefix; it may end there). NOTE: sharing by the first page asked
+        for joined a prefetch of another continuation (a shared system prompt, then another
+        question), and our pages in L3 were missed."""
         last, n = keys[-1], len(keys)
         if (job := self._inflight.get((keys[start], last))) is not None:
             return job
         return next((j for j in self._inflight.values() if j.start_page <= start
-                     and len(j.keys) > n and j.keys[n - 1] == last), None)
+                     and len(j.keys) >= n and j.keys[n - 1] == last), None)
 
     def wait_seconds(self, num_tokens: int) -> float:
         """How long a fetch of `num_tokens` waits for its prefetch (0: not at all)."""

@@ -189,6 +189,38 @@ async def test_a_failed_backup_is_sent_again_as_hits_double_not_on_every_hit() -
     await backend.aclose()
 
 
+async def test_a_fetch_whose_prefix_grew_joins_the_prefetch_already_reading_its_pages(
+        ) -> None:
+    """A prefetch of a whole prompt is in flight when part of the prompt gets computed
+    (another request: its system prompt); the prompt's next fetch asks L3 from further on,
+    for pages the prefetch in flight already reads up to the same last page. It started a
+    second prefetch and read those pages twice (a prefetch was joined only when it went
+    past our last page)."""
+    backend = shared_memory_store()
+    system = make_tokens(16, seed=62)
+    prompt = system + make_tokens(16, seed=63)
+    await store_in_l3(backend, prompt)
+    slow = FaultyBackend(backend, seed=0, latency=(0.3, 0.3))
+    cfg = make_config(storage=slow, **{**L3, "prefetch_policy": "best_effort"})
+    async with HiCache(cfg) as cache:
+        tier = cache.storage
+        assert tier is not None
+        async with cache.fetch(prompt) as hit:  # plans the prompt's prefetch, leaves
+            assert hit.num_cached_tokens == 0
+        assert len(tier._inflight) == 1
+        await serve(cache, system)  # computed here, written through to L2
+        await until(lambda: all(n.on_host for n in cache.tree.iter_nodes()))
+        read_before = backend.stats().pages_read
+        async with cache.fetch(prompt) as hit:
+            assert hit.num_cached_tokens >= 16
+            assert len(tier._inflight) == 1, "a second prefetch of the same pages"
+        await cache.drain()
+        assert backend.stats().pages_read - read_before == 8  # the first prefetch's pages
+        assert await serve(cache, prompt) == (32, 0)
+        cache.check_invariants()
+    await backend.aclose()
+
+
 async def store_nothing_first(cache: HiCache, faulty: FaultyBackend,
                               prompt: Sequence[int]) -> None:
     """Compute `prompt` in `cache` with its L3 store failing every call, then leave the store
