@@ -152,7 +152,10 @@ class StorageTier(TPResults):
             self.counters.bypassed += 1
             return None
         job = PrefetchJob(tokens[:len(tokens) // ps * ps], start, keys, matched)
-        job.held = [n for n in path[:host] if not n.on_device]
+        # NOTE: the whole head, not only its host-only nodes: a node on both tiers may be
+        # evicted from the device meanwhile, and then its host copy by our own reservation,
+        # and the pages read after it had nothing to join (read, then thrown away)
+        job.held = path[:host]
         for node in job.held:
             self.tree.protect_host(node)
         self._inflight[first, keys[-1]] = job

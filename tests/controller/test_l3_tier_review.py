@@ -221,6 +221,43 @@ async def test_a_fetch_whose_prefix_grew_joins_the_prefetch_already_reading_its_
     await backend.aclose()
 
 
+async def test_a_prefetch_keeps_the_host_copy_of_the_prefix_it_extends() -> None:
+    """A fetch matches a system prompt held on both tiers and prefetches its question from L3.
+    Meanwhile another request evicts the prompt's last page from the device, so it is on the
+    host only, and the prefetch's own host reservation then evicted that copy: the question's
+    pages were read from L3 and thrown away (nothing to join), and the prompt's page was
+    lost. The prefetch now keeps the host copies of the whole prefix it extends."""
+    backend = shared_memory_store()
+    system = make_tokens(16, seed=64)
+    prompt = system + make_tokens(16, seed=65)
+    await store_in_l3(backend, prompt)
+    slow = FaultyBackend(backend, seed=0, latency=(0.3, 0.3))
+    cfg = make_config(storage=slow, **{**L3, "device_pages": 8, "host_pages": 12,
+                                       "prefetch_host_fraction": 1.0, "storage_miss_ttl": 0.0})
+    async with HiCache(cfg) as cache:
+        tier = cache.storage
+        assert tier is not None
+        assert await serve(cache, system) == (16, 16)  # on the device and the host
+        await cache.drain()
+        read_before = backend.stats().pages_read
+        other = asyncio.ensure_future(serve(cache, make_tokens(20, seed=66)))  # 5 pages
+        await until(lambda: len(tier._inflight) == 1)  # its prefetch asks first
+        ours = asyncio.ensure_future(serve(cache, prompt))
+        await until(lambda: len(tier._inflight) == 2)
+        assert await other == (0, 0)  # computed: the prompt's last page left the device
+        cached, from_l3 = await ours
+        await cache.drain()
+        # Which of the other's write-through and our reservation takes host pages first is
+        # the loop's choice: we get the question from L3, or no room to read it into (and
+        # the prompt's last page may then leave as any unpinned page). Never a read thrown
+        # away.
+        read = backend.stats().pages_read - read_before
+        assert read * 4 == from_l3, f"{read} pages read from L3, {from_l3} tokens served"
+        assert cached == 32 if read else cached in (12, 16)
+        cache.check_invariants()
+    await backend.aclose()
+
+
 async def store_nothing_first(cache: HiCache, faulty: FaultyBackend,
                               prompt: Sequence[int]) -> None:
     """Compute `prompt` in `cache` with its L3 store failing every call, then leave the store
