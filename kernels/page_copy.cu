@@ -39,8 +39,19 @@
 //   rows are multiples of 16; _v1 covers any byte layout).
 // - Chunk and unit counters are 32-bit (the host splits launches at 2^31 chunks; a chunk is
 //   far below 2^31 units); addresses are 64-bit, so pools past 4 GiB are fine.
+// - CTAs over 512 threads: the engine defines AIOHICACHE_MAX_THREADS (its `threads`) and the
+//   kernels get `__launch_bounds__`, so the compiler keeps registers within what a CTA that
+//   size may have. Unbounded, the 4/2/1-byte variants take 72-96 registers and cannot launch
+//   more than 672-800 threads (64K registers per CTA). At 512 and below they are left
+//   unbounded: bounded at 512, NVRTC took up to 128 registers, code no GPU run has measured.
 // No headers: CuPy compiles this with NVRTC, which has none; CI compile-checks it with nvcc,
 // NVRTC, and as host C++ (tests/page_copy_host.cpp runs it on the CPU).
+
+#ifdef AIOHICACHE_MAX_THREADS
+#define AIOHICACHE_BOUNDS __launch_bounds__(AIOHICACHE_MAX_THREADS)
+#else
+#define AIOHICACHE_BOUNDS
+#endif
 
 struct CopyParams {
     unsigned long long src, dst;              // base addresses, in copy direction
@@ -138,7 +149,8 @@ __device__ __forceinline__ void copy_pages(const CopyParams& p) {
 }
 
 #define AIOHICACHE_COPY_PAGES(NAME, VEC, UNROLL)                                              \
-    extern "C" __global__ void NAME(const CopyParams params) {                                \
+    extern "C" __global__ void AIOHICACHE_BOUNDS                                              \
+    NAME(const CopyParams params) {                                                           \
         copy_pages<VEC, UNROLL>(params);                                                      \
     }
 

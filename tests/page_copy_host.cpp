@@ -9,6 +9,7 @@
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __launch_bounds__(threads)
 
 struct uint4 { unsigned int x, y, z, w; };
 struct uint2 { unsigned int x, y; };

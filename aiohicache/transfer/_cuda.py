@@ -216,12 +216,12 @@ class CudaTransferEngine:
             return packed.to(self.device, non_blocking=True)
 
     async def aclose(self) -> None:
-        """Wait for submitted copies, then stop the waiter threads.
+        """Wait for submitted copies, then stop the waiter threads. Every call waits, also one
+        after a cancelled call: returning early would let the caller unpin the host pool under
+        copies still in flight.
 
         Cancellation: the threads still finish the copies they wait for, then stop.
         """
-        if self._closed:
-            return
         self._closed = True
         for stream in (self._load, self._write):  # both stop, even if a wait is cancelled
             stream.waiter.close()
@@ -244,7 +244,7 @@ def _check_args(device_pool: DevicePool, host_pool: HostPool, backend: str, ctas
     if backend not in ("kernel", "direct"):
         raise ConfigError(f"backend: must be 'kernel' or 'direct', got {backend!r}")
     check_int("ctas", ctas, low=1, high=1024)
-    if check_int("threads", threads, low=32, high=1024) % 32:
+    if check_int("threads", threads, low=32, high=kernels.MAX_THREADS) % 32:
         raise ConfigError(f"threads: must be a multiple of 32 in 32..1024, got {threads!r}")
 
 

@@ -34,12 +34,16 @@ from ._geometry import (
     layer_spans,
 )
 
-__all__ = ("NVRTC_OPTIONS", "PARAMS_DTYPE", "CopyKernels", "LaunchPlan", "LaunchTable",
-           "check_cuda", "check_versions", "cupy",
+__all__ = ("MAX_THREADS", "NVRTC_OPTIONS", "PARAMS_DTYPE", "CopyKernels", "LaunchPlan",
+           "LaunchTable", "check_cuda", "check_versions", "cupy",
            "kernel_names", "nvrtc_check", "nvrtc_compile", "pack_params", "source", "sources")
 
 NVRTC_OPTIONS = ("--std=c++17",)
 """What the engine compiles with; `nvrtc_check` uses the same, so CI checks what runs."""
+MAX_THREADS = 1024
+"""The most threads per CTA an engine takes; `nvrtc_check` compiles for it by default."""
+UNBOUNDED_THREADS = 512
+"""CTAs up to this size launch every variant without launch bounds (see page_copy.cu)."""
 PAGE_COPY = "page_copy.cu"
 
 PARAMS_DTYPE = np.dtype([
@@ -141,15 +145,19 @@ def check_cuda(cp: ModuleType) -> None:
     check_versions(driver=versions[0], runtime=versions[1], nvrtc=(nvrtc[0], nvrtc[1]))
 
 
-def nvrtc_check(name: str = PAGE_COPY, *, arch: str = "compute_90") -> bytes:
+def nvrtc_check(name: str = PAGE_COPY, *, arch: str = "compute_90",
+                threads: int = MAX_THREADS) -> bytes:
     """Compile the installed ``kernels/<name>`` as the engine does; see `nvrtc_compile`."""
-    return nvrtc_compile(source(name), name, arch=arch)
+    return nvrtc_compile(source(name), name, arch=arch, threads=threads)
 
 
-def nvrtc_compile(text: str, name: str, *, arch: str = "compute_90") -> bytes:
+def nvrtc_compile(text: str, name: str, *, arch: str = "compute_90",
+                  threads: int = MAX_THREADS) -> bytes:
     """Compile CUDA C `text` with NVRTC and the engine's options; no GPU needed.
 
     ``arch="compute_XY"`` gives PTX, ``arch="sm_XY"`` a cubin (what the engine loads).
+    `threads` is the CTA size launches use: over `UNBOUNDED_THREADS` it becomes the
+    kernels' launch bounds (``AIOHICACHE_MAX_THREADS``), so registers fit a CTA that size.
 
     Raises:
         ConfigError: CuPy or NVRTC is missing, or compilation failed (with the NVRTC log).
@@ -160,7 +168,8 @@ def nvrtc_compile(text: str, name: str, *, arch: str = "compute_90") -> bytes:
     except Exception as exc:  # NVRTC library missing: cupy raises at first use
         raise ConfigError(f"NVRTC is not available: {exc}") from exc
     try:
-        nvrtc.compileProgram(program, [*NVRTC_OPTIONS, f"--gpu-architecture={arch}"])
+        bounds = [f"-DAIOHICACHE_MAX_THREADS={threads}"] if threads > UNBOUNDED_THREADS else []
+        nvrtc.compileProgram(program, [*NVRTC_OPTIONS, *bounds, f"--gpu-architecture={arch}"])
         out = nvrtc.getCUBIN(program) if arch.startswith("sm_") else nvrtc.getPTX(program)
     except Exception as exc:
         log_text = nvrtc.getProgramLog(program)
@@ -189,7 +198,7 @@ class CopyKernels:
         try:
             with cp.cuda.Device(device_index) as device:
                 arch = f"sm_{device.compute_capability}"
-                self.cubin = nvrtc_compile(source(), PAGE_COPY, arch=arch)
+                self.cubin = nvrtc_compile(source(), PAGE_COPY, arch=arch, threads=threads)
                 self._module = cp.cuda.function.Module()
                 self._module.load(self.cubin)
                 self._functions: dict[int, int] = {
