@@ -122,6 +122,16 @@ def layer_kv(past: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor
     return cached.keys, cached.values
 
 
+def _rope_types(config: PretrainedConfig) -> set[str]:
+    """The RoPE types a config names: ``rope_parameters`` (``rope_scaling`` before
+    transformers 5), one dict or one per layer type."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return set()
+    found = [params] if "rope_type" in params or "type" in params else list(params.values())
+    return {str(p.get("rope_type", p.get("type"))) for p in found if isinstance(p, dict)}
+
+
 class _LayerGates:
     """One event per layer, set on the loop once the layer's prefix is on the device, waited
     on by the forward pass's thread. `abort` releases every waiter with an error."""
@@ -197,8 +207,11 @@ class PoolCache(DynamicCache):
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         link = self._link
         if link is not None:
+            _check_kv(link.cache.config.spec, layer_idx, key_states, value_states)
+            # NOTE: every layer, gated or not: where a stopped request's pass ends (a miss
+            # has no gate to wait for, and its cancelled pass ran the whole prompt on)
+            link.gates.wait(layer_idx)
             if not self._filled[layer_idx]:
-                link.gates.wait(layer_idx)
                 self._fill(link, layer_idx)
             self._store(link, layer_idx, key_states, value_states)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -218,6 +231,21 @@ class PoolCache(DynamicCache):
         pool, slots = link.cache.device_pool, link.new_slots
         pool.k_buffer(layer)[slots] = k[0, :, link.skip:].transpose(0, 1)
         pool.v_buffer(layer)[slots] = v[0, :, link.skip:].transpose(0, 1)
+
+
+def _check_kv(spec: KVSpec, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Refuse KV the pool cannot hold as is.
+
+    NOTE: a config that misstates the KV (Falcon-7B's ``multi_query``: one KV head, which
+    `kv_spec` cannot see) passed the adapter's spec check; the pool's indexed write then
+    broadcast the one head into all, unsaid, and committed it.
+    """
+    want = (1, spec.num_kv_heads, k.shape[2], spec.head_dim)
+    if tuple(k.shape) != want or tuple(v.shape) != want or {k.dtype, v.dtype} != {spec.dtype}:
+        raise ConfigError(
+            f"model: layer {layer} computes KV of shape {tuple(k.shape)} and "
+            f"{tuple(v.shape)} ({k.dtype}), the cache's spec holds {want} ({spec.dtype}): "
+            f"kv_spec(config) does not describe this model")
 
 
 @dataclass(slots=True)
@@ -272,6 +300,13 @@ class HFAdapter:
         if types is None and window is not None and getattr(text, "use_sliding_window", True):
             raise ConfigError(f"model: only full-attention layers are supported, the model "
                               f"attends over a sliding window of {window} tokens")
+        dynamic = sorted(t for t in _rope_types(text) if "dynamic" in t or t == "longrope")
+        if dynamic:
+            # NOTE: they pick every position's frequencies by the pass's longest position:
+            # a prefix cached by a short prompt served a long one other KV than it computes
+            raise ConfigError(f"model: its RoPE ({', '.join(dynamic)}) rescales every "
+                              f"position with the sequence's length, so a prefix's KV "
+                              f"depends on what follows it; only fixed RoPE is supported")
         self.model = model
         self.cache = cache
         self.executor = executor
@@ -285,7 +320,8 @@ class HFAdapter:
         (for its logits) over the rest.
 
         Raises:
-            ConfigError: `tokens` are not the fetched tokens.
+            ConfigError: `tokens` are not the fetched tokens, or the model computes KV of
+                another shape or dtype than the cache's spec (nothing is committed).
             TransferError: loading the prefix failed.
             CapacityError: no device slots for the new tokens.
 
