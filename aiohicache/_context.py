@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ._core import Core
-from ._request import Request, alloc_op
+from ._request import Request, alloc_op, page_keys
 from ._tokens import TokenInput, as_tokens
 from ._validate import check_int
 from .controller import LoadJob
@@ -105,9 +105,9 @@ class FetchContext:
         if len(req.tokens) == 0:
             raise ConfigError("tokens: must not be empty")
         req.entered = True
-        if req.core.storage is not None:
+        if (keys := page_keys(req.core)) is not None:
             try:
-                req.hashed = await req.core.storage.hash_pages(req.tokens)
+                req.hashed = await keys.hash_pages(req.tokens)
             except anyio.get_cancelled_exc_class():
                 # NOTE: TP: a rank that got this cancellation later has queued the call:
                 # queue it here too, cancelled (its keys are then hashed at the tick)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 import zlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,10 +20,14 @@ from ._executor import AGAIN, Op, Plan
 from ._invariants import concat_pages
 from ._tokens import Tokens
 from .controller import Controller, LoadJob, PrefetchJob
+from .controller._l3_parts import PageKeys
 from .errors import CapacityError, ClosedError, ConfigError
 from .memory import PageIds
 from .radix import DeviceState, Match, Node
 from .transfer._base import record_fence
+
+if TYPE_CHECKING:
+    from .controller import StorageTier
 
 __all__ = ("Request", "alloc_op")
 
@@ -218,8 +223,9 @@ class Request:
         all_pages = np.concatenate([self.pages, pages[:new_full]])
         # again here: with TP this runs at a tick, after any free the caller queued before it
         core.leases.check_owner(pages, self.owner)
-        hashes = core.storage.keys(toks[:num_full * ps], self._path(), self.hashed) \
-            if core.storage is not None else None
+        keys = page_keys(core)
+        hashes = keys.keys(toks[:num_full * ps], self._path(), self.hashed) \
+            if keys is not None else None
         # Insert before the leases end: if it raises, the pages are still leased, not lost.
         res = core.tree.insert(toks[:num_full * ps], all_pages, start_page=len(self.pages),
                                hashes=hashes)
@@ -313,3 +319,16 @@ class Request:
             self.core.pins.unpin(pin)
         for pages in leases:
             self.core.leases.release_owned(pages, self.owner)
+
+
+def page_keys(core: Core) -> PageKeys | StorageTier | None:
+    """Who names the tree's pages by their L3 keys: the L3 tier, else (hashing a long prompt's
+    off the loop) an events subscriber's, if one is hooked into the tree; None: nobody.
+
+    NOTE: the events hub names every page a residency change lists by its key, and a node
+    that comes without them is hashed on the loop, in the tree's hook: a commit of a
+    128k-token miss held it 10-20 ms. Hashed at the fetch, on a thread, they ride in the tree.
+    """
+    if core.storage is not None:
+        return core.storage
+    return PageKeys(core.config) if core.tree.on_residency else None

@@ -241,8 +241,8 @@ class PageKeys:
 
     def keys(self, tokens: Tokens, path: list[Node],
              hashed: list[bytes] | None = None) -> list[bytes]:
-        """Keys of every whole page of `tokens`, reusing those of the matched `path`, or all
-        of them from `hashed` (`hash_pages` of these tokens) when it covers them."""
+        """Keys of every whole page of `tokens`, reusing those of the matched `path`, or of
+        `hashed` (`hash_pages` of a prefix of these tokens: the fetched ones)."""
         if hashed is not None and len(hashed) >= len(tokens) // self.page_size:
             return hashed[:len(tokens) // self.page_size]
         known: list[bytes] = []
@@ -250,6 +250,11 @@ class PageKeys:
             if node.hashes is None:
                 break
             known.extend(node.hashes)
+        if hashed is not None and len(hashed) > len(known):
+            # NOTE: a commit that extends the fetched tokens (decoded ones with them) hashes
+            # the extension only: from the path's keys, a 128k-token miss was hashed again
+            # whole, on the loop (24 ms)
+            known = list(hashed)
         prev = known[-1] if known else self.root
         start = len(known) * self.page_size
         return known + chain_keys(prev, tokens[start:], self.page_size)

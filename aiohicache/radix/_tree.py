@@ -108,10 +108,8 @@ class RadixTree(TreeState):
             pos += len(child.key)
             node = child
         if pos < len(tokens):
-            leaf = self._add_leaf(node, tokens[pos:].copy(), pages[pos // ps:])
-            if hashes is not None:
-                leaf.hashes = hashes[pos // ps:]
-                leaf.stored = [False] * leaf.num_pages
+            leaf = self._add_leaf(node, tokens[pos:].copy(), pages[pos // ps:],
+                                  None if hashes is None else hashes[pos // ps:])
             res.new_nodes.append(leaf)
             node = leaf
         res.last_node = node if node is not self.root else None
@@ -193,8 +191,12 @@ class RadixTree(TreeState):
         self._set_host(leaf, pages.copy(), HostState.RESIDENT)
         return leaf
 
-    def _add_leaf(self, parent: Node, key: Tokens, pages: PageIds) -> Node:
-        leaf = Node(id=next(self._ids), parent=parent, key=key)
+    def _add_leaf(self, parent: Node, key: Tokens, pages: PageIds,
+                  hashes: list[bytes] | None) -> Node:
+        # NOTE: its keys before it is made resident: the residency hooks (the events hub)
+        # read them, and hashed them again on the loop when they came after
+        leaf = Node(id=next(self._ids), parent=parent, key=key, hashes=hashes,
+                    stored=None if hashes is None else [False] * len(hashes))
         parent.children[key[:self.page_size].tobytes()] = leaf
         self._num_nodes += 1
         self._set_device(leaf, pages.copy(), DeviceState.RESIDENT)

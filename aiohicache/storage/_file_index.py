@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from typing import Final
+from collections.abc import Callable, Generator, Iterable, Sequence
+from operator import attrgetter
+from typing import Final, TypeVar
 
 from ._common import LruBudget
 from ._journal import DELETE, PUT, TOUCH, Entry, JournalScan
 
 __all__ = ("SegmentIndex",)
 
+T = TypeVar("T")
+
 _DELETED_MEMORY: Final = 1 << 16
 """Delete stamps remembered, so an older entry read later does not bring a key back."""
+_STEP: Final = 256
+"""Records a compaction plans or re-points between two turns of the loop (about 0.3 ms)."""
 _GONE_MEMORY: Final = 1 << 12
 """Segments this instance compacted away, remembered so a look at the directory that began
 before their files went does not bring them back."""
@@ -257,26 +262,46 @@ class SegmentIndex:
 
     def compaction_plan(self, victim: int, log: Sequence[Entry], unseen: Sequence[Entry]
                         ) -> tuple[list[Entry], list[Entry]]:
-        """What compacting `victim` moves (its live records, in file order) and keeps (the
-        entries of its journal `log` that must outlive it).
+        """`plan_steps` at once, its moves in file order."""
+        moves, keep = _run(self.plan_steps(victim, log, unseen))
+        return sorted(moves, key=attrgetter("offset")), keep
+
+    def plan_steps(self, victim: int, log: Sequence[Entry], unseen: Sequence[Entry]
+                   ) -> Generator[None, None, tuple[list[Entry], list[Entry]]]:
+        """What compacting `victim` moves (its live records, in no order) and keeps (the
+        entries of its journal `log` that must outlive it), `_STEP` records a step.
 
         `unseen`, the entries of `log` this index has not read (its writer appended them
         since the last look), are merged first: their records are moved too, not lost with
         the segment. (Not the whole log: a key deleted long ago, its delete forgotten,
         would come back.)
+
+        NOTE: in steps (32k records per segment held the loop 13 ms), so the index may
+        change between them, by this instance's writes and deletes only (the caller holds
+        `_merging`): a record planned and then unbound is moved dead (`repoint` leaves it),
+        an entry kept and then outranked is kept harmlessly, as for any change made while
+        the records are copied.
         """
         learned = [e.key for e in sorted(unseen, key=lambda e: e.stamp)
                    if self.apply(e) and e.kind == PUT]
         # NOTE: unread here, so least recently used: the next write evicts them before the
         # pages this instance reads (merged as most recent, they pushed those out)
         self.budget.make_oldest(learned)
-        entries = self.entries
-        moves = sorted((entries[key] for key in self.keys_of.get(victim, ())),
-                       key=lambda e: e.offset)
+        keys, get = list(self.keys_of.get(victim, ())), self.entries.get
+        moves: list[Entry] = []
+        for lo in range(0, len(keys), _STEP):
+            if lo:
+                yield
+            moves += [e for e in map(get, keys[lo:lo + _STEP])
+                      if e is not None and e.seg_id == victim]
         # NOTE: a segment with no record was rolled for its touches: carried, they would
         # fill the next journal as fast, so they go with it (its deletes are carried)
         touches = self.sizes.get(victim, 0) > 0
-        keep = [e for e in log if (touches or e.kind != TOUCH) and self._still_says(e, victim)]
+        keep: list[Entry] = []
+        for lo in range(0, len(log), _STEP):
+            yield
+            keep += [e for e in log[lo:lo + _STEP]
+                     if (touches or e.kind != TOUCH) and self._still_says(e, victim)]
         return moves, _last_touches(keep)
 
     def _still_says(self, entry: Entry, victim: int) -> bool:
@@ -293,23 +318,44 @@ class SegmentIndex:
         return current is not None and _same_record(current, entry)
 
     def repoint(self, victim: int, moves: Sequence[Entry], moved: Sequence[Entry]) -> None:
-        """Re-point the keys compaction moved (same LRU place and size), then drop
-        `victim`. A key still bound to the record moved is re-pointed, matched by place (an
-        older version's reader journals a read as a binding with a newer stamp)."""
-        for old, new in zip(moves, moved, strict=True):
-            now = self.entries.get(old.key)
-            if now is not None and _same_record(now, old):
-                self.entries[old.key] = new._replace(stamp=max(now.stamp, new.stamp))
-                self.keys_of[victim].discard(old.key)
-                self.keys_of.setdefault(new.seg_id, set()).add(old.key)
-                self.live[victim] -= old.length
-                self.live[new.seg_id] = self.live.get(new.seg_id, 0) + new.length
-                self.sizes[new.seg_id] = max(self.sizes.get(new.seg_id, 0),
-                                             new.offset + new.length)
+        """`repoint_steps` at once."""
+        _run(self.repoint_steps(victim, moves, moved))
+
+    def repoint_steps(self, victim: int, moves: Sequence[Entry], moved: Sequence[Entry]
+                      ) -> Generator[None, None, None]:
+        """Re-point the keys compaction moved (same LRU place and size), `_STEP` a step, then
+        drop `victim`. A key still bound to the record moved is re-pointed, matched by place
+        (an older version's reader journals a read as a binding with a newer stamp).
+
+        NOTE: between steps a key not re-pointed yet is bound into the removed victim: a
+        read of it finds the segment gone and looks again, which waits for `_merging`
+        (the caller holds it until the last step)."""
+        for lo in range(0, len(moves), _STEP):
+            if lo:
+                yield
+            for old, new in zip(moves[lo:lo + _STEP], moved[lo:lo + _STEP], strict=True):
+                now = self.entries.get(old.key)
+                if now is not None and _same_record(now, old):
+                    self.entries[old.key] = new._replace(stamp=max(now.stamp, new.stamp))
+                    self.keys_of[victim].discard(old.key)
+                    self.keys_of.setdefault(new.seg_id, set()).add(old.key)
+                    self.live[victim] -= old.length
+                    self.live[new.seg_id] = self.live.get(new.seg_id, 0) + new.length
+                    self.sizes[new.seg_id] = max(self.sizes.get(new.seg_id, 0),
+                                                 new.offset + new.length)
         self.drop_segment(victim)
         self.gone[victim] = None
         while len(self.gone) > _GONE_MEMORY:
             self.gone.popitem(last=False)
+
+
+def _run(steps: Generator[None, None, T]) -> T:
+    """All of `steps` at once; what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
 
 
 def _outranks(a: Entry, b: Entry) -> bool:
