@@ -22,17 +22,7 @@ from transformers import (
 
 from aiohicache import ConfigError, HiCache, HiCacheConfig
 from aiohicache.hf import HFAdapter, kv_spec, tiny_llama
-
-SMALL = {"vocab_size": 500, "hidden_size": 64, "num_layers": 3, "num_heads": 4,
-         "num_kv_heads": 2}
-
-
-@pytest.fixture(autouse=True)
-def one_compute_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.test_hf import SMALL, one_compute_thread  # noqa: F401  (an autouse fixture)
 
 
 def config_for(model: PreTrainedModel, **overrides: Any) -> HiCacheConfig:

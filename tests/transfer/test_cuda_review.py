@@ -17,29 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from aiohicache import ConfigError
 from aiohicache.memory import DevicePool, HostPool
 from aiohicache.transfer import _cuda_kernels as kernels
 from aiohicache.transfer._cuda import CudaTransferEngine
 from aiohicache.transfer._waiter import EventWaiter
 from tests import transfer_matrix as tm
+from tests.transfer.test_cuda_plan import needs_nvrtc
 
 REGISTERS_PER_CTA = 64 * 1024
 """32-bit registers one CTA may use on every architecture CUDA 12 and 13 support."""
 EIATTR_REGCOUNT = 0x2F
 """The ``.nv.info`` attribute holding a kernel's registers per thread."""
-
-
-def _nvrtc_available() -> bool:
-    try:
-        kernels.nvrtc_compile("extern \"C\" __global__ void k() {}", "probe.cu")
-    except ConfigError:
-        return False
-    return True
-
-
-needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(),
-                                 reason="CuPy or NVRTC not installed (pip install '.[cuda]')")
 
 
 def register_counts(cubin: bytes) -> list[int]:
