@@ -246,6 +246,10 @@ class StorageTier(TPResults):
         if count <= 0:
             return False
         job.reserved = self.tree.alloc_host(count)
+        if job.reserved is None and self.tree.host_alloc.num_free:
+            # NOTE: the leading pages that fit (evicting did what it could): all or nothing,
+            # a host full of pages the device also holds turned every prefetch away
+            job.reserved = self.tree.host_alloc.alloc(self.tree.host_alloc.num_free)
         if job.reserved is None:
             return False
         self.reserved_host[id(job)] = job.reserved

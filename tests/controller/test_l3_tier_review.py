@@ -258,6 +258,25 @@ async def test_a_prefetch_keeps_the_host_copy_of_the_prefix_it_extends() -> None
     await backend.aclose()
 
 
+async def test_a_prefetch_reads_the_leading_pages_the_host_has_room_for() -> None:
+    """L3 holds a prompt of 8 pages; the host pool has room for 2, the rest held by pages
+    the device also holds (never evicted from the host alone). The reservation was all or
+    nothing, so every such prefetch was turned away and the prompt computed whole; now
+    the leading pages that fit are read and served."""
+    backend = shared_memory_store()
+    prompt = make_tokens(32, seed=67)
+    await store_in_l3(backend, prompt)
+    cfg = make_config(storage=backend, **{**L3, "host_pages": 8, "prefetch_host_fraction": 1.0})
+    async with HiCache(cfg) as cache:
+        await serve(cache, make_tokens(24, seed=68))  # 6 pages on both tiers
+        await cache.drain()
+        assert cache.host_pool.allocator.num_free == 2
+        assert await serve(cache, prompt) == (8, 8)
+        await cache.drain()
+        cache.check_invariants()
+    await backend.aclose()
+
+
 async def store_nothing_first(cache: HiCache, faulty: FaultyBackend,
                               prompt: Sequence[int]) -> None:
     """Compute `prompt` in `cache` with its L3 store failing every call, then leave the store
