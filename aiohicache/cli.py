@@ -200,8 +200,13 @@ def _tree_capacity(capacity: str, page_size: int) -> int:
     that fit this machine's memory, not numpy's error once allocating.
 
     Raises:
-        ConfigError: ``capacity: ...``.
+        ConfigError: ``capacity: ...``, a size in bytes included.
     """
+    if capacity.strip()[-1:] in ("b", "B"):
+        # NOTE: parse_capacity takes 4GiB too, but the bare tree stores no KV: with one byte
+        # a token, "4GiB" would quietly be 4Gi tokens.
+        raise ConfigError(f"capacity: {capacity!r} is bytes; bench tree stores no KV, give "
+                          "tokens (10.24M, 512k)")
     tokens = parse_capacity(capacity, bytes_per_token=1, field_name="capacity")
     if tokens < page_size:
         raise ConfigError(f"capacity: {tokens:,} is less than one page ({page_size} tokens)")

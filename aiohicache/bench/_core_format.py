@@ -105,7 +105,8 @@ def format_lag(res: LagResult, sizes: CoreSizes) -> str:
 
 def _lag_line(name: str, lag: LagSummary, *, verdict: bool) -> str:
     ok = lag.p99_ms <= TARGET_P99_MS and lag.max_ms <= TARGET_MAX_MS
-    mark = ("ok" if ok else "MISSED") if verdict else ""
+    # no samples: the probe never ran, and its zeros are no measurement to meet a target
+    mark = ("no samples" if not lag.samples else "ok" if ok else "MISSED") if verdict else ""
     return (f"   {name:<22}{lag.samples:>8}  {lag.p50_ms:>7.3f}  {lag.p99_ms:>7.3f}  "
             f"{lag.max_ms:>7.3f}   {mark}").rstrip()
 

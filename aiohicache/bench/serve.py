@@ -16,10 +16,13 @@ import functools
 import json
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import IO
 
 import aiohttp
 import anyio
@@ -157,21 +160,47 @@ async def _request(http: aiohttp.ClientSession, url: str, prompt: list[int],
 def server_process(args: Sequence[str]) -> Iterator[str]:
     """``aiohicache serve --port 0 ARGS`` in a subprocess while the block runs; yields its URL.
 
+    Lines it prints before it is ready (a warning) are skipped; what it prints after is read
+    and dropped by a thread: with nobody reading the pipe, 64 KiB of warnings would block the
+    server mid-run.
+
     Raises:
-        RuntimeError: the server did not start (its output says why).
+        RuntimeError: the server exited before it was ready (its output says why).
     """
     proc = subprocess.Popen([sys.executable, "-m", "aiohicache", "serve", "--port", "0", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace")
     assert proc.stdout is not None
+    drain = threading.Thread(target=deque, args=(proc.stdout, 0), daemon=True)
     try:
-        line = proc.stdout.readline()
-        if " on http://" not in line:
-            raise RuntimeError(f"aiohicache serve did not start:\n{line}{proc.stdout.read()}")
-        yield line.split(" on ")[1].split()[0]
+        url = _ready_url(proc.stdout)
+        drain.start()
+        yield url
     finally:
         proc.terminate()
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:  # stuck: never left behind
+            proc.kill()
+            proc.wait()
+        if drain.ident is not None:
+            drain.join(5)  # the pipe is at its end: the server has exited
         proc.stdout.close()
+
+
+def _ready_url(out: IO[str]) -> str:
+    """The URL of the server's ``aiohicache serve: ... on URL`` line, read up to it.
+
+    Raises:
+        RuntimeError: the output ended first (the last lines say why).
+    """
+    before: deque[str] = deque(maxlen=50)
+    for line in out:
+        _, on, rest = line.partition(" on http://")
+        if line.startswith("aiohicache serve: ") and on:
+            return "http://" + rest.split()[0]
+        before.append(line)
+    raise RuntimeError("aiohicache serve did not start:\n" + "".join(before))
 
 
 def bench_modes(sessions: list[list[list[int]]], config: ServeBenchConfig) -> list[ModeResult]:
