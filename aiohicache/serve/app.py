@@ -220,18 +220,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _stream(request: web.Request, head: dict[str, Any], first: int,
                   tokens: AsyncIterator[int], usage: Usage,
                   body: dict[str, Any]) -> web.StreamResponse:
-    """Server-sent events: one chunk per token, then usage if asked for, then ``[DONE]``."""
+    """Server-sent events: one chunk per token as soon as it is sampled, a last one with no
+    text and the finish reason, then usage if asked for, then ``[DONE]``.
+
+    NOTE: a token's chunk is not held back to carry the finish reason: it waited for the next
+    token's decode step (time to first token included one)."""
     engine = request.app[ENGINE]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
     token: int | None = first
     while token is not None:
-        nxt = await anext(tokens, None)
-        text = engine.tokenizer.decode([token])
-        await _event(resp, {**head, "choices": [
-            _choice(text, "length" if nxt is None else None)], "token_ids": [token]})
-        token = nxt
+        await _event(resp, {**head, "choices": [_choice(engine.tokenizer.decode([token]), None)],
+                            "token_ids": [token]})
+        token = await anext(tokens, None)
+    await _event(resp, {**head, "choices": [_choice("", "length")], "token_ids": []})
     options = body.get("stream_options") or {}
     if isinstance(options, dict) and options.get("include_usage"):
         await _event(resp, {**head, "choices": [], "usage": _usage(usage),

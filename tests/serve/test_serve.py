@@ -107,11 +107,41 @@ async def test_streaming_sends_one_event_per_token_then_usage_and_done() -> None
                                        stream_options={"include_usage": True})]
         plain = await post(session, url, prompt="hello, streaming world", max_tokens=4,
                            temperature=0)
-    tokens, usage, done = got[:4], got[4], got[5]
-    assert done == "[DONE]" and len(got) == 6
+    tokens, finish, usage, done = got[:4], got[4], got[5], got[6]
+    assert done == "[DONE]" and len(got) == 7
     assert [e["token_ids"][0] for e in tokens] == plain["aiohicache"]["token_ids"]  # type: ignore[index]
-    assert [e["choices"][0]["finish_reason"] for e in tokens] == [None, None, None, "length"]  # type: ignore[index]
+    assert [e["choices"][0]["finish_reason"] for e in tokens] == [None] * 4  # type: ignore[index]
+    assert finish["choices"][0] == {"index": 0, "text": "", "logprobs": None,  # type: ignore[index]
+                                    "finish_reason": "length"}
+    assert finish["token_ids"] == []  # type: ignore[index]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4  # type: ignore[index]
+
+
+async def test_a_streamed_token_is_sent_before_the_next_one_is_decoded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each token's event went out only once the next token was decoded (to tell whether
+    it was the last): time to first token included a decode step, every token lagged one."""
+    second = asyncio.Event()
+
+    async def generate(prompt: list[int], params: SamplingParams,
+                       usage: Usage) -> AsyncIterator[int]:
+        usage.completion_tokens = 1
+        yield 65
+        await second.wait()  # the next decode step, held until the client saw the first
+        usage.completion_tokens = 2
+        yield 66
+
+    async with engine() as eng, running_server(eng) as url, aiohttp.ClientSession() as session:
+        monkeypatch.setattr(eng, "generate", generate)
+        stream = aclosing(events(session, url, prompt="x", max_tokens=2, temperature=0))
+        async with stream as got:
+            with anyio.fail_after(10):
+                first = await anext(got)
+            assert first["token_ids"] == [65]  # type: ignore[index]
+            second.set()
+            rest = [e async for e in got]
+    assert [e["token_ids"] for e in rest[:2]] == [[66], []]  # type: ignore[index]
+    assert rest[1]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
 
 
 async def test_metrics_and_health() -> None:
