@@ -116,7 +116,7 @@ def bench_tp_cmd(ranks: list[int], steps: int, batch: int) -> None:
 @click.option("--ctas", default="1,2,4,8,16,32", show_default=True,
               callback=int_list(1, 1024), help="CTA budgets of the kernel path, comma-separated.")
 @click.option("--total-mb", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Bytes moved per copy.")
+              help="MiB (2**20 bytes) moved per copy.")
 @click.option("--repeat", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--layout", type=click.Choice(["page_first", "layer_first"]),
               default="page_first", show_default=True, help="Host pool layout.")

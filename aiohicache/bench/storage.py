@@ -86,7 +86,8 @@ class SpeedRow:
     ratio: float
     """Median over runs of (raw time / backend time), each pair run back to back."""
     loop_p99_ms: float
-    """Event-loop lag, p99 over the backend's runs (an idle loop shows ~0.3 ms on 2 cores)."""
+    """Event-loop lag: the worst of the backend's runs' p99s (an idle loop shows ~0.3 ms on
+    2 cores)."""
     runs: int
 
 
