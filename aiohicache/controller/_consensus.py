@@ -367,7 +367,8 @@ class Consensus:
 _CONFIG_GROUPS = ("pages and capacities (page_size, device_pages, host pages, spec layers, "
                   "tp_size)",
                   "policies (eviction, write_policy, thresholds, max_inflight_*)",
-                  "storage (present or not, prefetch_*, storage_*, backup_*)")
+                  "storage (present or not, prefetch_*, storage_*, backup_*; MLA: namespace, "
+                  "spec, host_layout)")
 
 
 def config_fingerprint(config: HiCacheConfig, has_storage: bool) -> list[int]:
@@ -379,14 +380,25 @@ def config_fingerprint(config: HiCacheConfig, has_storage: bool) -> list[int]:
     groups = (
         (c.page_size, c.device_pages, c.host_capacity_pages, c.spec.kind, c.spec.num_layers,
          c.tp_size),
-        (c.eviction, t.write_policy, t.write_through_threshold, t.load_back_threshold,
+        (c.eviction, t.write_policy, t.hit_threshold, t.load_back_threshold,
          t.max_inflight_loads, t.max_inflight_writes),
         (has_storage, s.prefetch_policy, s.prefetch_threshold, s.prefetch_timeout_base,
-         s.prefetch_timeout_max, s.prefetch_host_fraction, s.miss_ttl, s.miss_max_entries,
-         s.backup_threshold, s.backup_max_inflight_bytes, s.failures_to_open, s.cooldown),
+         s.prefetch_timeout_per_1k_tokens, s.prefetch_timeout_max, s.prefetch_host_fraction,
+         s.miss_ttl, s.miss_max_entries, s.backup_threshold, s.backup_max_inflight_bytes,
+         s.failures_to_open, s.cooldown, _shared_page_identity(config, has_storage)),
     )
     return [int.from_bytes(hashlib.blake2b(repr(g).encode(), digest_size=7).digest(), "little")
             for g in groups]
+
+
+def _shared_page_identity(config: HiCacheConfig, has_storage: bool) -> tuple[str, ...]:
+    """What names an L3 page that every rank reads: MLA ranks share their pages (one rank
+    writes each), so their keys must be equal. NOTE: ranks differing in `host_layout` (or
+    namespace) chained other keys: each found only the pages it wrote itself, and a prefetch
+    (MIN over the ranks) found almost nothing, silently. MHA ranks read their own shard."""
+    if not has_storage or config.spec.kind != "mla":
+        return ()
+    return (config.namespace, config.spec.fingerprint(), config.host_layout)
 
 
 def _log_failure(future: Promise[Any]) -> None:

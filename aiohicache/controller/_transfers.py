@@ -28,7 +28,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .._concurrency import Pulse, Signal, supervise
 from ..config import HiCacheConfig
-from ..errors import TPError, WorkerError
+from ..errors import TPError, TransferError, WorkerError
 from ..memory import PageIds
 from ..radix import DeviceState, Match, Node, RadixTree
 from ..transfer import TransferEngine, TransferHandle
@@ -297,10 +297,31 @@ class Controller:
         async for job in rx:
             batch = [job, *take_queued(rx)]  # merge whatever else is queued into one copy
             self._queued -= len(batch)
-            self._room.fire()  # wake senders waiting for room
-            launch(batch)
+            try:
+                self._room.fire()  # wake senders waiting for room
+                launch(batch)
+            except Exception as exc:
+                self._launch_failed(batch, inflight, exc)
+                raise  # the supervisor restarts this worker, or fails the cache
             while len(inflight) > limit:  # backpressure: the channel fills behind us
                 await self.wait_settled()
+
+    def _launch_failed(self, batch: Sequence[_Job], inflight: deque[Any],
+                       exc: Exception) -> None:
+        """A worker crashed holding `batch`: the jobs it did not launch count as failed
+        copies (fatal, as any failed copy: their pages' content is unknown).
+
+        NOTE: left alone, they were in no channel and in flight nowhere: their nodes stayed
+        LOADING/WRITING for good, `ready()` and `drain()` waited for ever, and the restarted
+        worker never saw them.
+        """
+        lost = [job for job in batch if job.handle is None]
+        if not lost:
+            return
+
+        def never_launched(src: PageIds, dst: PageIds) -> TransferHandle:
+            raise TransferError(f"the copy was never launched: its worker crashed ({exc!r})")
+        self._launch(lost, inflight, never_launched)
 
     def _launch_loads(self, batch: Sequence[_Job]) -> None:
         self._launch(batch, self._loads, self.engine.load)
