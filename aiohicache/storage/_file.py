@@ -30,7 +30,7 @@ from .._validate import check_int, check_number
 from ..errors import ClosedError, ConfigError
 from . import _appender, _reader
 from ._common import RunQueue, check_buffers, check_keys, object_size
-from ._file_index import SegmentIndex
+from ._file_index import _STEP, SegmentIndex
 from ._file_runs import ReadBatch, ReadRun, WriteRun
 from ._file_upkeep import _TOUCH_FLUSH, _FileUpkeep
 from ._journal import Entry
@@ -254,15 +254,32 @@ class FileBackend(_FileUpkeep):
         check_keys(keys)
         await self._start()
         await self._refresh_for(keys)
-        entries = self._index.remove(dict.fromkeys(keys))
         try:
-            await finish_then_cancel(self._in_thread(self._appender.log, entries))
+            entries = await finish_then_cancel(self._remove_and_log(keys))
         except OSError as exc:
             self._stats.errors += 1
             raise StorageWriteError(f"storage: deleting from {self.root_dir}: {exc}") from exc
         self._stats.pages_deleted += len(entries)
         await finish_then_cancel(self._maybe_compact())
         return len(entries)
+
+    async def _remove_and_log(self, keys: Sequence[str]) -> list[Entry]:
+        """Unbind `keys`, `_STEP` a turn of the loop, then journal their delete entries;
+        those entries.
+
+        NOTE: in steps: 19k keys unbound at once held the loop 36-48 ms. A write or delete
+        of one of them made meanwhile is ordered by its stamp, as in the journals.
+
+        Cancellation: the caller's `finish_then_cancel` lets it end (keys unbound and not
+        journaled would come back at the next start).
+        """
+        unique, entries = list(dict.fromkeys(keys)), []
+        for lo in range(0, len(unique), _STEP):
+            if lo:
+                await anyio.lowlevel.checkpoint()
+            entries += self._index.remove(unique[lo:lo + _STEP])
+        await self._in_thread(self._appender.log, entries)
+        return entries
 
     def stats(self) -> BackendStats:
         """A copy of the counters, with `capacity_bytes` (the budget; None: unbounded) and
