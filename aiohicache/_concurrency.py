@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Executor, Future
 from typing import Any, Generic, TypeVar
@@ -25,8 +26,8 @@ from typing import Any, Generic, TypeVar
 import anyio
 import anyio.lowlevel
 
-__all__ = ("Detached", "LoopBridge", "Promise", "Pulse", "Signal", "finish_then_cancel",
-           "run_in_thread", "submit_to_thread", "supervise")
+__all__ = ("Detached", "LoopBridge", "Promise", "Pulse", "Signal", "current_loop",
+           "finish_then_cancel", "run_in_thread", "submit_to_thread", "supervise")
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -38,6 +39,23 @@ def _on_asyncio() -> bool:
     except RuntimeError:
         return False  # trio (anyio's only other backend) runs no asyncio loop
     return True
+
+
+def current_loop() -> object | None:
+    """The event loop running in this thread (asyncio's loop, or trio's run token: one per
+    run), or None outside any."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")  # only a trio run can be current if trio is not imported
+    if trio is None:
+        return None
+    try:
+        token: object = trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        return None
+    return token
 
 
 class LoopBridge:

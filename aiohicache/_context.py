@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from types import TracebackType
 from typing import Self
 
@@ -52,6 +53,18 @@ class FetchContext:
     def __init__(self, request: Request) -> None:
         self._req = request
         self._device_indices: tuple[PageIds, torch.Tensor] | None = None
+
+    def __del__(self, _warn: object = warnings.warn) -> None:
+        # NOTE: entered and never exited (`__aenter__` called by hand, then dropped): its pin
+        # and leases would be held for the cache's life. Released on the cache's loop: the GC
+        # may run this on any thread, in the middle of any operation.
+        req = getattr(self, "_req", None)
+        if req is None or req.pin is None:
+            return
+        _warn(f"{self!r} was entered and never exited: released now; use 'async with'",
+              ResourceWarning, stacklevel=1)  # type: ignore[operator]
+        if req.core.bridge is not None:
+            req.core.bridge.call_soon(req.release)
 
     def __repr__(self) -> str:
         return (f"<FetchContext {len(self.tokens)} tokens, {self.num_cached_tokens} cached, "

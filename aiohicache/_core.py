@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from ._concurrency import LoopBridge, current_loop
 from ._leases import Leases
 from ._pins import Pins
 from ._stats import Counters
 from .config import HiCacheConfig
-from .errors import ClosedError
+from .errors import ClosedError, LoopError
 from .memory import DevicePool, HostPool
 from .radix import RadixTree
 
@@ -43,13 +44,31 @@ class Core:
     """TP: CRC of every fetched token sequence, in agreed order (part of the digest; kept
     only when there is a TP group to compare it with)."""
     state: Literal["new", "open", "closing", "closed"] = "new"
+    loop: object | None = None
+    """The event loop that opened the cache (`current_loop`): its workers run there only."""
+    bridge: LoopBridge | None = None
+    """Calls onto that loop from anywhere (a garbage-collected context's release)."""
 
     def __post_init__(self) -> None:
         self.leases = Leases(self.device_pool.allocator)
         self.pins = Pins(self.tree)
 
+    def check_loop(self) -> None:
+        """Raise `LoopError` unless called on the loop that opened the cache (or before).
+
+        NOTE: on another loop the workers never run (a load or write-back queued there
+        waits for ever) and the cache's state changes race the loop's thread.
+        """
+        if self.loop is not None and current_loop() is not self.loop:
+            raise LoopError("the cache was opened on another event loop (or this is another "
+                            "thread): call it only from the loop that opened it (a cache "
+                            "cannot move between loops, e.g. across asyncio.run calls or "
+                            "from a session-scoped fixture into a test's own loop)")
+
     def check_open(self) -> Controller:
-        """The controller of an open, healthy cache; else `ClosedError` / `WorkerError`."""
+        """The controller of an open, healthy cache on its loop; else `ClosedError`,
+        `WorkerError` or `LoopError`."""
+        self.check_loop()
         if self.state != "open":
             raise ClosedError(f"the cache is {self.state}")
         ctl = self.open_controller()

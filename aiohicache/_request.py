@@ -77,6 +77,7 @@ class Request:
         return len(self.pages) * self.core.config.page_size
 
     def check_active(self) -> None:
+        self.core.check_loop()
         if self.pin is None:
             raise ClosedError("the fetch context is not active (use it inside 'async with')")
 

@@ -14,6 +14,7 @@ await of the copies it planned.
 
 from __future__ import annotations
 
+import asyncio
 import warnings
 from collections.abc import Awaitable, Callable
 from types import TracebackType
@@ -23,7 +24,7 @@ import anyio
 import torch
 
 from . import _invariants
-from ._concurrency import Detached, Promise, finish_then_cancel
+from ._concurrency import Detached, LoopBridge, Promise, current_loop, finish_then_cancel
 from ._context import FetchContext, check_count, lease
 from ._core import Core
 from ._executor import LocalExecutor, TickExecutor
@@ -52,7 +53,8 @@ class HiCache:
     """A hierarchical KV cache (device pool, host pool, optional storage) on the event loop.
 
     Use it as an async context manager; the workers run while it is open. All methods must be
-    called from the event loop that opened it.
+    called from the event loop that opened it (else `LoopError`); `stats()` and
+    `check_invariants()` only read, and `aclose()` also works once that loop has ended.
 
     With tensor parallelism (``config.tp.size > 1``) pass the ranks' `TPGroup`; every rank
     must then make the same request-path calls in the same order (docs/tensor-parallel.md).
@@ -113,6 +115,7 @@ class HiCache:
         core = self._core
         if core.state != "new":
             raise ClosedError("a HiCache can be opened once")
+        core.loop, core.bridge = current_loop(), LoopBridge()
         ctl = core.controller = Controller(self.config, self.tree, self._make_engine(),
                                            storage=self.storage, tp=self.tp_group is not None)
         if self.tp_group is not None:
@@ -191,8 +194,14 @@ class HiCache:
         may still have stored some pages): to have the last backups stored, ``await
         cache.drain()`` first.
 
+        May also be called from another loop once the loop that opened the cache has ended
+        (``asyncio.run`` returned without closing it): its workers are gone, so nothing queued
+        is waited for. Else, from another loop or thread: `LoopError`.
+
         Cancellation: the close runs to the end first, then the cancellation propagates.
         """
+        if not self._workers_gone():
+            self._core.check_loop()
         if self._core.state == "new":
             self._core.state = "closed"
             self.host_pool.close()
@@ -205,8 +214,19 @@ class HiCache:
             self._closer = Detached(self._close, name="aiohicache-close")
         await finish_then_cancel(self._closer.done.wait())
 
+    def _workers_gone(self) -> bool:
+        """The loop that opened the cache ended without closing it: its workers were cancelled
+        (or will never run again), so nothing settles what they had queued."""
+        loop = self._core.loop
+        return (self._runner is not None and self._runner.done.done()) or (
+            isinstance(loop, asyncio.AbstractEventLoop) and loop.is_closed())
+
     async def _close(self) -> None:
         ctl = self._core.open_controller()
+        if self._workers_gone():  # NOTE: a drain would wait its full minute for nothing
+            await ctl.close_channels()
+            await self._close_resources(ctl)
+            return
         if self._core.tp is not None and not self._core.tp.finished.done():
             # Closing is an op: every rank stops ticking at the same tick, once all is settled.
             self._core.tp.post(self._core.tp.close_op, lazy=False)
@@ -218,6 +238,11 @@ class HiCache:
         assert self._runner is not None
         self._runner.cancel()
         await self._runner.done.settled()  # its failure, if any, is already in `health`
+        await self._close_resources(ctl)
+
+    async def _close_resources(self, ctl: Controller) -> None:
+        """With the workers stopped: launch what they left, close the engine, the store and
+        the host pool, end the event streams."""
         # Every step runs even if one before it fails (an engine or a store that fails to
         # close): the first failure is raised once the cache is closed.
         failures: list[Exception] = []
@@ -284,6 +309,8 @@ class HiCache:
             ConfigError: `slots` is not a tensor of whole leased pages.
             PageError: a page is not leased (double free or foreign).
         """
+        if self._core.state != "closed":  # NOTE: else another thread races the loop's leases
+            self._core.check_loop()
         pages = self.device_pool.slots_to_pages(slots)
         leases = self._core.leases
         if self._core.executor is None:
@@ -310,6 +337,9 @@ class HiCache:
         """
         from .events import hub_of
 
+        # NOTE: a stream's batches are flushed on the loop of the last subscriber: another
+        # loop's took every stream's (and, once ended, made every commit fail)
+        self._core.check_loop()
         check_int("max_batches", max_batches, low=1)  # NOTE: a bad one broke the others' flush
         return hub_of(self).subscribe(max_batches, snapshot=snapshot)
 
@@ -318,6 +348,7 @@ class HiCache:
 
         Cancellation: only the wait is cancelled.
         """
+        self._core.check_loop()
         await self.controller.drain()
         if self.storage is not None:
             await self.storage.drain()

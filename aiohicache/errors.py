@@ -4,6 +4,7 @@
      ├─ ConfigError (ValueError)         a configuration or argument is invalid: fix the call
      ├─ CapacityError                    a pool cannot hold what was asked, even after eviction
      ├─ ClosedError                      the cache was used after ``aclose()``
+     ├─ LoopError (RuntimeError)         called from another event loop or thread than the cache's
      ├─ PageError (ValueError)           page ids handed back are foreign or already free
      ├─ InvariantError (AssertionError)  internal state is inconsistent: a bug, report it
      ├─ WorkerError                      a background worker failed for good; the cache is degraded
@@ -25,6 +26,7 @@ __all__ = (
     "DivergenceError",
     "HiCacheError",
     "InvariantError",
+    "LoopError",
     "PageError",
     "RankTimeoutError",
     "StorageError",
@@ -50,6 +52,10 @@ class CapacityError(HiCacheError):
 
 class ClosedError(HiCacheError):
     """The cache (or one of its contexts) was used after it was closed."""
+
+
+class LoopError(HiCacheError, RuntimeError):
+    """The cache was used from another event loop (or thread) than the one that opened it."""
 
 
 class InvariantError(HiCacheError, AssertionError):
