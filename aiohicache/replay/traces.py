@@ -9,6 +9,7 @@ prefix exactly as far as their hash-id lists agree. A Mooncake trace can also be
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import aiofiles
+import anyio.to_thread
 import numpy as np
 
 from ..errors import ConfigError
@@ -255,20 +257,24 @@ def load_trace(name_or_path: str, *, limit: int | None = None) -> list[Request]:
 async def stream_trace(name_or_path: str, *, limit: int | None = None
                        ) -> AsyncIterator[Request]:
     """`load_trace`'s requests, one at a time: Mooncake traces (the bundled one and
-    ``.jsonl`` files) are streamed (`stream_mooncake`); the others are made whole first
-    (sessions interleave across the whole file, and `synthetic` is computed).
+    ``.jsonl`` files) are streamed (`stream_mooncake`); the others are made whole first, on
+    a worker thread (sessions interleave across the whole file, and `synthetic` is computed).
 
     Raises:
         ConfigError: as `load_trace`, when the problem is reached.
 
-    Cancellation: an open trace file is closed.
+    Cancellation: an open trace file is closed; a trace being made whole is finished on its
+    thread first.
     """
     if name_or_path == "mooncake" or name_or_path.endswith(".jsonl"):
         with _bundled() if name_or_path == "mooncake" else _as_path(name_or_path) as path:
             async for request in stream_mooncake(path, limit=limit):
                 yield request
         return
-    for request in load_trace(name_or_path, limit=limit):
+    # NOTE: not on the loop: it is the replay's, its cache already open (`replay` reads the
+    # stream inside it), and the shared kv-cache-tester file held it 250-340 ms there
+    load = functools.partial(load_trace, name_or_path, limit=limit)
+    for request in await anyio.to_thread.run_sync(load):
         yield request
 
 
