@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import AsyncIterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from aiohicache.replay.runner import (
     MODELS,
     ReplayConfig,
     ReplayResult,
+    _run_timed,
     parse_capacity,
     replay,
     scaled_spec,
@@ -280,6 +282,27 @@ async def test_a_timestamped_replay_serves_before_its_trace_is_written(tmp_path:
     listed = load_trace("mooncake", limit=60)
     assert result.requests == 60
     assert result.prompt_tokens == sum(r.input_length for r in listed)
+
+
+async def test_arrival_times_count_from_the_first_request_read() -> None:
+    """A timed replay starts its clock when the first request is in hand: the time a trace
+    takes to load (a .jsonl.gz is read whole first) was taken out of the first arrivals,
+    and requests meant to be 0.3 s apart started together."""
+    started: list[float] = []
+
+    async def serve(request: Request) -> bool:
+        started.append(anyio.current_time())
+        return True
+
+    async def slow_to_load() -> AsyncIterator[Request]:
+        await anyio.sleep(0.5)  # the whole trace being read
+        for arrival in (0.0, 0.3):
+            yield Request(arrival=arrival, input_length=4, output_length=0, block_size=4,
+                          hash_ids=(1,))
+
+    config = ReplayConfig(spec=MODELS["tiny"], time_mode="timestamps", speedup=1.0)
+    await _run_timed(serve, slow_to_load(), config)
+    assert started[1] - started[0] >= 0.25, started
 
 
 def _write(pipe: Any, lines: list[str]) -> None:
