@@ -10,6 +10,9 @@ from typing import Literal, Protocol, Self
 import anyio
 import anyio.lowlevel
 
+from ._concurrency import current_loop
+from .errors import LoopError
+
 __all__ = ("AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch", "EventStream",
            "KVEvent", "Medium")
 
@@ -87,10 +90,12 @@ class EventStream:
     set, and an unclosed memory object stream warns when collected.
     """
 
-    __slots__ = ("__weakref__", "_closed", "_hub", "_max", "_queue", "_waiter", "dropped")
+    __slots__ = ("__weakref__", "_closed", "_hub", "_loop", "_max", "_queue", "_waiter",
+                 "dropped")
 
     def __init__(self, hub: _Publisher, max_batches: int) -> None:
         self._hub = hub
+        self._loop = current_loop()  # the cache's (`HiCache.events` checks it)
         self._max = max_batches
         self._queue: deque[EventBatch | _Pending] = deque()
         self._waiter: anyio.Event | None = None
@@ -124,7 +129,14 @@ class EventStream:
         A snapshot is computed here, a step at a time, yielding to the loop between steps.
 
         Cancellation: only the wait stops; no batch is lost (a snapshot keeps its progress).
+
+        Raises:
+            LoopError: read on another loop than the one that subscribed (the cache's): its
+                wake-up would be set from a thread that does not run that loop.
         """
+        if self._loop is not None and current_loop() is not self._loop:
+            raise LoopError("an event stream is read only on the cache's event loop, where "
+                            "it was subscribed")
         while True:
             while not self._queue:
                 if self._closed:

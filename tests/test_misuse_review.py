@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from aiohicache import HiCache, HiCacheError
+from aiohicache import HiCache, HiCacheError, LoopError
 from tests.conftest import make_cache, make_config, make_tokens
 from tests.kvcheck import KVChecker
 from tests.test_cancellation import GatedEngine
@@ -158,6 +158,29 @@ async def test_subscribing_from_another_loop_is_refused_and_never_breaks_commits
         assert batches, "the cache's own subscriber got no batch"
         assert len(errors) == 1 and "another event loop" in str(errors[0]), errors
         reader.cancel()
+
+
+async def test_a_stream_read_from_another_loop_raises_loop_error() -> None:
+    """A stream subscribed on the cache's loop and read on a thread's own loop waited on an
+    event set from the cache's thread, which does not run that loop (not thread-safe)."""
+    async with make_cache() as cache:
+        stream = cache.events()
+        errors: list[BaseException] = []
+
+        def other_thread() -> None:
+            async def read() -> None:
+                await asyncio.wait_for(anext(stream), 2.0)  # (it waited for ever)
+            try:
+                asyncio.run(read())
+            except BaseException as exc:
+                errors.append(exc)
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        await asyncio.to_thread(thread.join)
+        assert len(errors) == 1 and isinstance(errors[0], LoopError), errors
+        await _prefill(cache, KVChecker(cache), make_tokens(2 * PS, seed=5))
+        assert await anext(stream)  # still readable on the cache's loop
+        _assert_clean(cache)
 
 
 async def test_free_from_another_thread_while_the_loop_runs_raises_loop_error() -> None:
