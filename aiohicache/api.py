@@ -15,6 +15,7 @@ await of the copies it planned.
 from __future__ import annotations
 
 import asyncio
+import threading
 import warnings
 from collections.abc import Awaitable, Callable
 from types import TracebackType
@@ -115,7 +116,7 @@ class HiCache:
         core = self._core
         if core.state != "new":
             raise ClosedError("a HiCache can be opened once")
-        core.loop, core.bridge = current_loop(), LoopBridge()
+        core.loop, core.bridge, core.thread = current_loop(), LoopBridge(), threading.get_ident()
         ctl = core.controller = Controller(self.config, self.tree, self._make_engine(),
                                            storage=self.storage, tp=self.tp_group is not None)
         if self.tp_group is not None:
