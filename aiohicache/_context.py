@@ -58,12 +58,19 @@ class FetchContext:
         # NOTE: entered and never exited (`__aenter__` called by hand, then dropped): its pin
         # and leases would be held for the cache's life. Released on the cache's loop: the GC
         # may run this on any thread, in the middle of any operation.
+        # NOTE: not while a TP tick runs: the release would be an op queued whenever the GC
+        # ran, a point of the op log that differs by rank, and the same later call had other
+        # outcomes on the ranks. Its pin and leases stay, alike on every rank.
         req = getattr(self, "_req", None)
         if req is None or req.pin is None:
             return
-        _warn(f"{self!r} was entered and never exited: released now; use 'async with'",
+        tp = req.core.tp is not None and not req.core.tp.finished.done()
+        _warn(f"{self!r} was entered and never exited: "
+              f"{'its pin and leases stay (TP)' if tp else 'released now'}; use 'async with'",
               ResourceWarning, stacklevel=1)  # type: ignore[operator]
-        if req.core.bridge is not None:
+        if tp:
+            req.core.dropped.append(req)
+        elif req.core.bridge is not None:
             req.core.bridge.call_soon(req.release)
 
     def __repr__(self) -> str:

@@ -44,6 +44,9 @@ class Core:
     calls_crc: int = 0
     """TP: CRC of every fetched token sequence, in agreed order (part of the digest; kept
     only when there is a TP group to compare it with)."""
+    dropped: list[object] = field(default_factory=list)
+    """TP: requests of contexts dropped without exiting; kept, with their pin and leases
+    (`FetchContext.__del__`: a release would run at another point on each rank)."""
     state: Literal["new", "open", "closing", "closed"] = "new"
     loop: object | None = None
     """The event loop that opened the cache (`current_loop`): its workers run there only."""
