@@ -135,8 +135,8 @@ class EventStream:
                 wake-up would be set from a thread that does not run that loop.
         """
         if self._loop is not None and current_loop() is not self._loop:
-            raise LoopError("an event stream is read only on the cache's event loop, where "
-                            "it was subscribed")
+            raise LoopError("an event stream was read on another event loop than the "
+                            "cache's, where it was subscribed: read it there")
         while True:
             while not self._queue:
                 if self._closed:

@@ -7,7 +7,6 @@ import dataclasses
 import os
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 import anyio
@@ -17,19 +16,9 @@ from click.testing import CliRunner
 from aiohicache.bench import QUICK, _core_lag
 from aiohicache.bench._core_format import format_lag
 from aiohicache.cli import cli
-from aiohicache.replay.traces import BUNDLED_MOONCAKE
+from tests.test_cli import _trace
 
 # -- bench tree --capacity ------------------------------------------------------------------
-
-
-def _trace(tmp_path: Path, lines: int) -> str:
-    """The bundled trace's first `lines` lines, as a file."""
-    source = resources.files("aiohicache.replay") / "data" / BUNDLED_MOONCAKE
-    with source.open() as f:
-        head = [next(f) for _ in range(lines)]
-    path = tmp_path / "trace.jsonl"
-    path.write_text("".join(head))
-    return str(path)
 
 
 @pytest.mark.parametrize("capacity", ["64KiB", "1GB", "4 MiB"])

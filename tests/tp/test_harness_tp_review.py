@@ -57,7 +57,7 @@ from aiohicache.distributed import TPGroup
 from aiohicache.radix import HostState
 from aiohicache.storage import FaultyBackend
 from aiohicache.storage.memory import MemoryBackend
-from tests.conftest import SPEC_MHA, SPEC_MLA
+from tests import test_harness_l3_review as harness_l3
 from tests.kvcheck import KVChecker
 from tests.test_stateful import JitteryEngine
 
@@ -76,37 +76,10 @@ Tokens = tuple[int, ...]
 # ------------------------------------------------------------------------------ the world
 
 def draw_config(rng: random.Random, with_l3: bool) -> dict[str, Any]:
-    ps = rng.randint(1, 8)
-    device_pages = rng.randint(4, 16)
-    ev = ["lru", "lfu", "arc"]
-    fields: dict[str, Any] = {
-        "spec": rng.choice([SPEC_MHA, SPEC_MLA]),
-        "page_size": ps,
-        "device_pages": device_pages,
-        "host_pages": rng.choice([0, device_pages // 2 + 1, device_pages, 2 * device_pages,
-                                  3 * device_pages]),
-        "write_policy": rng.choice(["write_through", "write_through_selective",
-                                    "write_back"]),
-        "eviction": rng.choice(ev) if rng.random() < 0.6 else (rng.choice(ev), rng.choice(ev)),
-        "load_back_threshold": rng.choice([0, 0, 0, ps]),
-        "max_inflight_loads": rng.choice([1, 2, 64]),
-        "max_inflight_writes": rng.choice([1, 2, 64]),
-        "tp_timeout": TP_TIMEOUT,
-    }
-    if rng.random() < 0.3:
-        fields["write_through_threshold"] = rng.randint(1, 3)
-    if with_l3:
-        fields.update({
-            "prefetch_policy": rng.choice(["best_effort", "wait_complete", "timeout"]),
-            "prefetch_threshold": rng.randint(1, 3 * ps),
-            "prefetch_timeout_base": rng.choice([0.0, 0.002, 0.02]),
-            "prefetch_timeout_max": 0.05,
-            "prefetch_host_fraction": rng.choice([0.25, 0.5, 1.0]),
-            "backup_threshold": rng.randint(1, 3),
-            "storage_miss_ttl": rng.choice([0.0, 0.0, 0.005, 0.05]),
-            "storage_cooldown": 0.02,
-        })
-    return fields
+    """The single-rank harness's random fields, the host layout left to each rank."""
+    fields = harness_l3.draw_config(rng, with_l3)
+    del fields["host_layout"]
+    return {**fields, "tp_timeout": TP_TIMEOUT}
 
 
 @dataclass
