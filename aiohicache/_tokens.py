@@ -25,6 +25,9 @@ def as_tokens(tokens: TokenInput) -> Tokens:
         if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex \
                 or tokens.dtype == torch.bool:
             raise ConfigError("tokens: must be a 1-D integer tensor")
+        if tokens.layout != torch.strided or tokens.is_meta:  # no ids to copy out
+            raise ConfigError(f"tokens: must be a dense tensor with data, got a "
+                              f"{tokens.layout} tensor on {tokens.device}")
         arr = tokens.detach().cpu().numpy()
     elif isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence | np.ndarray):
         raise ConfigError(f"tokens: must be a sequence of ints, got {type(tokens).__name__}")

@@ -35,7 +35,7 @@ def check_number(name: str, value: object, *, low: float | None = None,
 
     ``low_open=True`` makes `low` exclusive (``> low``); `high` is always inclusive.
     """
-    if not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value):
+    if not isinstance(value, bool) and isinstance(value, int | float) and _finite(value):
         above = low is None or (value > low if low_open else value >= low)
         if above and (high is None or value <= high):
             return float(value)
@@ -44,9 +44,21 @@ def check_number(name: str, value: object, *, low: float | None = None,
 
 def check_choice(name: str, value: object, allowed: Collection[object], *,
                  error: type[Exception] = ConfigError) -> None:
-    """Raise unless `value` is one of `allowed`."""
-    if value not in allowed:
+    """Raise unless `value` is one of `allowed`, and of its type.
+
+    NOTE: of its type, not only equal: a numpy array compared with a name is an array
+    (``in`` raised ValueError for two or more elements), and a 0-d one passed as the name
+    and failed later, where the value was used as one (iterated, hashed).
+    """
+    if not any(isinstance(value, type(a)) and value == a for a in allowed):
         raise error(f"{name}: must be one of {tuple(allowed)}, got {value!r}")
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float's range (10**400): no finite number
+        return False
 
 
 def _is_int(value: object, numpy_ok: bool) -> bool:

@@ -273,6 +273,10 @@ class HiCacheConfig:
         self._check_eviction()
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"namespace: must be a non-empty str, got {self.namespace!r}")
+        try:  # storage keys and page headers hash its UTF-8 bytes
+            self.namespace.encode()
+        except UnicodeEncodeError:  # a lone surrogate (a name decoded with surrogateescape)
+            raise ConfigError(f"namespace: must be UTF-8 text, got {self.namespace!r}") from None
 
     @classmethod
     def build(cls, *, transfer: TransferConfig | None = None, l3: StorageConfig | None = None,
@@ -300,12 +304,12 @@ class HiCacheConfig:
 
     def _check_eviction(self) -> None:
         tiers = self.eviction if isinstance(self.eviction, tuple) else (self.eviction,)
-        if "opt" in tiers:
-            raise ConfigError("eviction: 'opt' (Belady) needs the future; only a replay has it "
-                              "(aiohicache replay --eviction opt)")
         if isinstance(self.eviction, tuple) and len(tiers) != 2:  # the tree unpacks a pair
             raise ConfigError(f"eviction: a name or a pair (L1, L2), got {self.eviction!r}")
         for name in tiers:
+            if isinstance(name, str) and name in ("opt",):  # a str first: an array is no name
+                raise ConfigError("eviction: 'opt' (Belady) needs the future; only a replay "
+                                  "has it (aiohicache replay --eviction opt)")
             check_choice("eviction", name, ("lru", "lfu", "arc"))
 
     def prefetch_timeout(self, num_tokens: int) -> float:

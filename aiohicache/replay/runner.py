@@ -20,7 +20,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from .._lagprobe import LoopLagProbe, idle_floor, quiet_runtime
-from .._validate import check_int, check_number
+from .._validate import check_choice, check_int, check_number
 from ..api import HiCache
 from ..config import HiCacheConfig, KVSpec
 from ..errors import CapacityError, ConfigError
@@ -84,10 +84,10 @@ class ReplayConfig:
     requests as in a server, and which pages are still in flight at an eviction varies."""
 
     def __post_init__(self) -> None:
-        if self.time_mode not in ("fast", "timestamps"):
-            raise ConfigError(f"time_mode: must be 'fast' or 'timestamps', got {self.time_mode!r}")
+        check_choice("time_mode", self.time_mode, ("fast", "timestamps"))
         check_number("speedup", self.speedup, low=0, low_open=True)
         check_int("concurrency", self.concurrency, low=1)
+        check_int("page_size", self.page_size, low=1, high=256)
         check_int("device_tokens", self.device_tokens, low=0)
         check_int("host_tokens", self.host_tokens, low=0)
         if self.device_tokens < self.page_size:
@@ -97,7 +97,12 @@ class ReplayConfig:
                 self.time_mode != "fast" or self.concurrency != 1):
             raise ConfigError("eviction: 'opt' follows the trace request by request: it needs "
                               "time_mode 'fast' and concurrency 1")
-        scaled_spec(self.spec, self.kv_scale)
+        if not isinstance(self.spec, KVSpec):
+            raise ConfigError(f"spec: must be a KVSpec, got {type(self.spec).__name__}")
+        # NOTE: the cache's config, made now: a bad policy, layout or L3 URL was an error
+        # only once the replay ran (a temporary L3 made first)
+        self.cache_config(None if isinstance(self.storage, str) and self.storage == "tmp"
+                          else self.storage)
 
     def cache_config(self, storage: str | None = None) -> HiCacheConfig:
         return HiCacheConfig(

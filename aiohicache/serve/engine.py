@@ -99,6 +99,8 @@ class EngineConfig:
         check_int("host_tokens", self.host_tokens, low=0)
         check_int("compute_threads", self.compute_threads, low=1)
         check_int("max_running", self.max_running, low=1)
+        if self.torch_threads is not None:  # else torch's RuntimeError when the engine opens
+            check_int("torch_threads", self.torch_threads, low=1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -118,8 +118,10 @@ def _option_value(name: str, value: str) -> Any:
             raise ConfigError(f"storage: fsync must be 0/1/true/false, got {value!r}")
         return value.lower() in ("1", "true", "yes")
     if name == "max_concurrency":
-        if not value.isdigit():
-            raise ConfigError(f"storage: max_concurrency must be an int, got {value!r}")
+        # NOTE: ASCII digits: str.isdigit() takes '²', which int() refuses (a ValueError);
+        # and >= 1 as the backend wants, so the URL check refuses what the backend would
+        if not (value.isascii() and value.isdigit() and int(value) >= 1):
+            raise ConfigError(f"storage: max_concurrency must be a positive int, got {value!r}")
         return int(value)
     return parse_size(value)
 
