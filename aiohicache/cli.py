@@ -308,6 +308,11 @@ def _serve_until_stopped(serving: Callable[[], Awaitable[None]], loop: str) -> N
             run(until_stopped, loop=loop)
     except ListenError as exc:
         raise click.ClickException(str(exc)) from None
+    except ConfigError as exc:  # the engine opening: a store that refuses its --l3 URL
+        field_name, _, why = str(exc).partition(": ")
+        if field_name == "storage":
+            raise click.BadParameter(why, param_hint="'--l3'") from None
+        raise click.UsageError(str(exc)) from None
 
 
 cli.add_command(demo)

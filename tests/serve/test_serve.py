@@ -487,6 +487,17 @@ def test_the_serve_command_refuses_an_l1_under_one_page() -> None:
     assert "Invalid value for '--l1': 8 is less than one page (16 tokens)" in result.output
 
 
+def test_the_serve_command_refuses_an_l3_url_its_store_refuses_in_one_line() -> None:
+    """An option the Redis client does not take passes the URL's syntax check and is refused
+    when the store is made, as the server opens: that was a traceback after the model
+    loaded, not a usage error naming --l3."""
+    result = CliRunner().invoke(cli, ["serve", "--port", "0",
+                                      "--l3", "redis://127.0.0.1:1/0?bogus=1"])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--l3'" in result.output and "bogus" in result.output
+    assert "Traceback" not in result.output
+
+
 @pytest.mark.parametrize("field, value, match", [
     ("device_tokens", 8, "device_tokens: 8 is less than one page"),
     ("host_tokens", -1, "host_tokens"),
