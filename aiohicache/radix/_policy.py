@@ -188,12 +188,13 @@ class LFU(EvictionPolicy):
 
 @dataclass(slots=True)
 class _Ghost:
-    """Pages a victim took with it: how many, its class then, and its id (the parent of the
-    ghost that continues the prefix)."""
+    """Pages a victim took with it: how many, its class then, its id (the parent of the
+    ghost that continues the prefix) and its tokens (which of its pages a request wants)."""
 
     num_pages: int
     cls: int
     node_id: int
+    key: npt.NDArray[np.int64]
 
 
 class ARC(EvictionPolicy):
@@ -217,7 +218,8 @@ class ARC(EvictionPolicy):
     were chosen on those traces.
 
     Cost: push/pop O(log n); a miss looks up one ghost per evicted run it walks down (O(1)
-    each, dict); `on_resident` O(1).
+    each, dict, then a compare of the run's tokens); `on_resident` O(1). Ghosts keep their
+    victims' tokens (8 bytes a token, at most ``GHOSTS * capacity`` pages of them).
     """
 
     name = "arc"
@@ -258,7 +260,7 @@ class ARC(EvictionPolicy):
         old = self._ghosts.pop(where, None)
         if old is not None:
             self.ghost_pages[old.cls] -= old.num_pages
-        ghost = self._ghosts[where] = _Ghost(node.num_pages, self.cls(node), node.id)
+        ghost = self._ghosts[where] = _Ghost(node.num_pages, self.cls(node), node.id, node.key)
         self.ghost_pages[ghost.cls] += ghost.num_pages
         while self.ghost_pages[0] + self.ghost_pages[1] > self.GHOSTS * self.capacity:
             _, gone = self._ghosts.popitem(last=False)
@@ -272,7 +274,12 @@ class ARC(EvictionPolicy):
             if ghost is None:
                 return
             self.ghost_pages[ghost.cls] -= ghost.num_pages
-            self._adapt(ghost.cls, min(ghost.num_pages, (end - pos) // ps))
+            # NOTE: only the pages the request wants: one that shares a ghost's first page
+            # and then goes elsewhere missed one page of it, not the ghost's length
+            wanted = _same_pages(ghost.key, tokens, pos, end, ps)
+            self._adapt(ghost.cls, wanted)
+            if wanted < ghost.num_pages:
+                return
             pos += ghost.num_pages * ps
             parent_id = ghost.node_id
 
@@ -289,6 +296,14 @@ class ARC(EvictionPolicy):
         if counted != self.recent_pages:
             return f"arc: {self.recent_pages} class-0 pages counted, {counted} resident"
         return ""
+
+
+def _same_pages(key: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], pos: int,
+                end: int, ps: int) -> int:
+    """Leading whole pages of `key` that `tokens` repeats from `pos` (before `end`)."""
+    span = min(len(key), end - pos)
+    differ = np.flatnonzero(key[:span] != tokens[pos:pos + span])
+    return (int(differ[0]) if len(differ) else span) // ps
 
 
 class Belady(EvictionPolicy):
