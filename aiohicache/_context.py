@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ._core import Core
-from ._request import Request, alloc_op, page_keys
+from ._request import Request, alloc_op, fetch_keys
 from ._tokens import TokenInput, as_tokens
 from ._validate import check_int
 from .controller import LoadJob
@@ -125,7 +125,7 @@ class FetchContext:
         if len(req.tokens) == 0:
             raise ConfigError("tokens: must not be empty")
         req.entered = True
-        if (keys := page_keys(req.core)) is not None:
+        if (keys := fetch_keys(req.core, req.tokens)) is not None:
             try:
                 req.hashed = await keys.hash_pages(req.tokens)
             except anyio.get_cancelled_exc_class():

@@ -18,6 +18,7 @@ from .radix import RadixTree
 if TYPE_CHECKING:
     from ._executor import Executor
     from .controller import Consensus, Controller, StorageTier
+    from .controller._l3_parts import PageKeys
 
 __all__ = ("Core",)
 
@@ -47,6 +48,8 @@ class Core:
     dropped: list[object] = field(default_factory=list)
     """TP: requests of contexts dropped without exiting; kept, with their pin and leases
     (`FetchContext.__del__`: a release would run at another point on each rank)."""
+    page_keys: PageKeys | None = None
+    """An events subscriber's page keys without L3 (`_request.page_keys`), made once."""
     state: Literal["new", "open", "closing", "closed"] = "new"
     loop: object | None = None
     """The event loop that opened the cache (`current_loop`): its workers run there only."""

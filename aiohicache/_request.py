@@ -20,7 +20,7 @@ from ._executor import AGAIN, Op, Plan
 from ._invariants import concat_pages
 from ._tokens import Tokens
 from .controller import Controller, LoadJob, PrefetchJob
-from .controller._l3_parts import PageKeys
+from .controller._l3_parts import OFFLOAD_HASH_TOKENS, PageKeys
 from .errors import CapacityError, ClosedError, ConfigError
 from .memory import PageIds
 from .radix import DeviceState, Match, Node
@@ -332,4 +332,36 @@ def page_keys(core: Core) -> PageKeys | StorageTier | None:
     """
     if core.storage is not None:
         return core.storage
-    return PageKeys(core.config) if core.tree.on_residency else None
+    if not core.tree.on_residency:
+        return None
+    if core.page_keys is None:  # NOTE: once: making one (the root's hash) took 2.8 us a call
+        core.page_keys = PageKeys(core.config)
+    return core.page_keys
+
+
+def fetch_keys(core: Core, tokens: Tokens) -> PageKeys | StorageTier | None:
+    """`page_keys`, to hash `tokens`' keys at the fetch; None, for an events subscriber alone,
+    when the tree holds the keys of all but a short tail (the commit hashes that on the loop).
+
+    NOTE: hashing the whole prompt on a thread at every fetch made an all-L1 hit of a
+    16k-token prompt 2.5 times slower (0.8 -> 2.0 ms); the tree knew every key. With L3 the
+    prefetch needs them all; with TP every rank awaits alike.
+    """
+    keys = page_keys(core)
+    if isinstance(keys, PageKeys) and core.tp is None and len(tokens) >= OFFLOAD_HASH_TOKENS \
+            and len(tokens) - known_tokens(core.tree.root, tokens, keys.page_size) \
+            < OFFLOAD_HASH_TOKENS:
+        return None
+    return keys
+
+
+def known_tokens(node: Node, tokens: Tokens, page_size: int) -> int:
+    """How many leading tokens of `tokens` whole nodes under `node` hold with their page keys
+    (read only: no split, no touch; a match ending inside a node stops before it)."""
+    pos = 0
+    while (child := node.children.get(tokens[pos:pos + page_size].tobytes())) is not None \
+            and child.hashes is not None and len(child.key) <= len(tokens) - pos \
+            and bool((child.key == tokens[pos:pos + len(child.key)]).all()):
+        pos += len(child.key)
+        node = child
+    return pos
