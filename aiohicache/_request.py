@@ -349,19 +349,7 @@ def fetch_keys(core: Core, tokens: Tokens) -> PageKeys | StorageTier | None:
     """
     keys = page_keys(core)
     if isinstance(keys, PageKeys) and core.tp is None and len(tokens) >= OFFLOAD_HASH_TOKENS \
-            and len(tokens) - known_tokens(core.tree.root, tokens, keys.page_size) \
-            < OFFLOAD_HASH_TOKENS:
+            and len(tokens) - core.tree.keyed_prefix(tokens) < OFFLOAD_HASH_TOKENS:
         return None
     return keys
 
-
-def known_tokens(node: Node, tokens: Tokens, page_size: int) -> int:
-    """How many leading tokens of `tokens` whole nodes under `node` hold with their page keys
-    (read only: no split, no touch; a match ending inside a node stops before it)."""
-    pos = 0
-    while (child := node.children.get(tokens[pos:pos + page_size].tobytes())) is not None \
-            and child.hashes is not None and len(child.key) <= len(tokens) - pos \
-            and bool((child.key == tokens[pos:pos + len(child.key)]).all()):
-        pos += len(child.key)
-        node = child
-    return pos

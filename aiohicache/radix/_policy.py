@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._node import Node
+from ._results import common_tokens
 
 __all__ = ("ARC", "LFU", "LRU", "NEVER", "Belady", "EvictionPolicy", "PolicyName",
            "make_policy")
@@ -276,7 +277,7 @@ class ARC(EvictionPolicy):
             self.ghost_pages[ghost.cls] -= ghost.num_pages
             # NOTE: only the pages the request wants: one that shares a ghost's first page
             # and then goes elsewhere missed one page of it, not the ghost's length
-            wanted = _same_pages(ghost.key, tokens, pos, end, ps)
+            wanted = common_tokens(ghost.key, tokens, pos, end) // ps
             self._adapt(ghost.cls, wanted)
             if wanted < ghost.num_pages:
                 return
@@ -296,14 +297,6 @@ class ARC(EvictionPolicy):
         if counted != self.recent_pages:
             return f"arc: {self.recent_pages} class-0 pages counted, {counted} resident"
         return ""
-
-
-def _same_pages(key: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], pos: int,
-                end: int, ps: int) -> int:
-    """Leading whole pages of `key` that `tokens` repeats from `pos` (before `end`)."""
-    span = min(len(key), end - pos)
-    differ = np.flatnonzero(key[:span] != tokens[pos:pos + span])
-    return (int(differ[0]) if len(differ) else span) // ps
 
 
 class Belady(EvictionPolicy):

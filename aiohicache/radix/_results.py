@@ -85,3 +85,10 @@ def as_token_array(tokens: Tokens | Sequence[int]) -> Tokens:
 
 def same_tokens(a: Tokens, b: Tokens) -> bool:
     return len(a) == len(b) and bool((a == b).all())
+
+
+def common_tokens(key: Tokens, tokens: Tokens, pos: int, end: int | None = None) -> int:
+    """How many leading tokens of `key` `tokens` repeats from `pos` (up to `end`)."""
+    span = min(len(key), (len(tokens) if end is None else end) - pos)
+    differ = np.flatnonzero(key[:span] != tokens[pos:pos + span])
+    return int(differ[0]) if len(differ) else span

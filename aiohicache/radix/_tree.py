@@ -15,7 +15,15 @@ import numpy as np
 from ..errors import InvariantError
 from ..memory import PageAllocator, PageIds
 from ._node import DeviceState, HostState, Node, PendingOp
-from ._results import Eviction, InsertResult, Match, Tokens, as_token_array, same_tokens
+from ._results import (
+    Eviction,
+    InsertResult,
+    Match,
+    Tokens,
+    as_token_array,
+    common_tokens,
+    same_tokens,
+)
 from ._state import TreeState
 
 __all__ = ("Eviction", "InsertResult", "Match", "RadixTree", "Tokens")
@@ -72,11 +80,19 @@ class RadixTree(TreeState):
         return child
 
     def _common_pages(self, key: Tokens, tokens: Tokens, pos: int) -> int:
-        span = min(len(key), len(tokens) - pos)
-        differ = np.flatnonzero(key[:span] != tokens[pos:pos + span])
-        first = int(differ[0]) if len(differ) else span
         # >= 1: the first page matched through the child's dict key
-        return max(1, first // self.page_size)
+        return max(1, common_tokens(key, tokens, pos) // self.page_size)
+
+    def keyed_prefix(self, tokens: Tokens) -> int:
+        """How many leading tokens of `tokens` whole nodes hold with their page keys; read
+        only (no split, no touch: a match ending inside a node stops before it)."""
+        node, pos = self.root, 0
+        while (child := node.children.get(tokens[pos:pos + self.page_size].tobytes())) \
+                is not None and child.hashes is not None \
+                and same_tokens(tokens[pos:pos + len(child.key)], child.key):
+            pos += len(child.key)
+            node = child
+        return pos
 
     def _touch(self, nodes: list[Node], *, hit: bool) -> None:
         self._clock += 1
