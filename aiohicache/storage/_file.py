@@ -30,7 +30,7 @@ from .._validate import check_int, check_number
 from ..errors import ClosedError, ConfigError
 from . import _appender, _reader
 from ._common import RunQueue, check_buffers, check_keys, object_size
-from ._file_index import _STEP, SegmentIndex
+from ._file_index import STEP, SegmentIndex
 from ._file_runs import ReadBatch, ReadRun, WriteRun
 from ._file_upkeep import _TOUCH_FLUSH, _FileUpkeep
 from ._journal import Entry
@@ -264,7 +264,7 @@ class FileBackend(_FileUpkeep):
         return len(entries)
 
     async def _remove_and_log(self, keys: Sequence[str]) -> list[Entry]:
-        """Unbind `keys`, `_STEP` a turn of the loop, then journal their delete entries;
+        """Unbind `keys`, `STEP` a turn of the loop, then journal their delete entries;
         those entries.
 
         NOTE: in steps: 19k keys unbound at once held the loop 36-48 ms. A write or delete
@@ -274,10 +274,10 @@ class FileBackend(_FileUpkeep):
         journaled would come back at the next start).
         """
         unique, entries = list(dict.fromkeys(keys)), []
-        for lo in range(0, len(unique), _STEP):
+        for lo in range(0, len(unique), STEP):
             if lo:
                 await anyio.lowlevel.checkpoint()
-            entries += self._index.remove(unique[lo:lo + _STEP])
+            entries += self._index.remove(unique[lo:lo + STEP])
         await self._in_thread(self._appender.log, entries)
         return entries
 

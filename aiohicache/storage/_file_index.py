@@ -22,7 +22,7 @@ T = TypeVar("T")
 
 _DELETED_MEMORY: Final = 1 << 16
 """Delete stamps remembered, so an older entry read later does not bring a key back."""
-_STEP: Final = 256
+STEP: Final = 256
 """Records a compaction plans or re-points between two turns of the loop (about 0.3 ms)."""
 _GONE_MEMORY: Final = 1 << 12
 """Segments this instance compacted away, remembered so a look at the directory that began
@@ -262,14 +262,14 @@ class SegmentIndex:
 
     def compaction_plan(self, victim: int, log: Sequence[Entry], unseen: Sequence[Entry]
                         ) -> tuple[list[Entry], list[Entry]]:
-        """`plan_steps` at once, its moves in file order."""
+        """`plan_steps` at once, its moves in file order (for tests and tools)."""
         moves, keep = _run(self.plan_steps(victim, log, unseen))
         return sorted(moves, key=attrgetter("offset")), keep
 
     def plan_steps(self, victim: int, log: Sequence[Entry], unseen: Sequence[Entry]
                    ) -> Generator[None, None, tuple[list[Entry], list[Entry]]]:
         """What compacting `victim` moves (its live records, in no order) and keeps (the
-        entries of its journal `log` that must outlive it), `_STEP` records a step.
+        entries of its journal `log` that must outlive it), `STEP` records a step.
 
         `unseen`, the entries of `log` this index has not read (its writer appended them
         since the last look), are merged first: their records are moved too, not lost with
@@ -289,18 +289,18 @@ class SegmentIndex:
         self.budget.make_oldest(learned)
         keys, get = list(self.keys_of.get(victim, ())), self.entries.get
         moves: list[Entry] = []
-        for lo in range(0, len(keys), _STEP):
+        for lo in range(0, len(keys), STEP):
             if lo:
                 yield
-            moves += [e for e in map(get, keys[lo:lo + _STEP])
+            moves += [e for e in map(get, keys[lo:lo + STEP])
                       if e is not None and e.seg_id == victim]
         # NOTE: a segment with no record was rolled for its touches: carried, they would
         # fill the next journal as fast, so they go with it (its deletes are carried)
         touches = self.sizes.get(victim, 0) > 0
         keep: list[Entry] = []
-        for lo in range(0, len(log), _STEP):
+        for lo in range(0, len(log), STEP):
             yield
-            keep += [e for e in log[lo:lo + _STEP]
+            keep += [e for e in log[lo:lo + STEP]
                      if (touches or e.kind != TOUCH) and self._still_says(e, victim)]
         return moves, _last_touches(keep)
 
@@ -323,17 +323,17 @@ class SegmentIndex:
 
     def repoint_steps(self, victim: int, moves: Sequence[Entry], moved: Sequence[Entry]
                       ) -> Generator[None, None, None]:
-        """Re-point the keys compaction moved (same LRU place and size), `_STEP` a step, then
+        """Re-point the keys compaction moved (same LRU place and size), `STEP` a step, then
         drop `victim`. A key still bound to the record moved is re-pointed, matched by place
         (an older version's reader journals a read as a binding with a newer stamp).
 
         NOTE: between steps a key not re-pointed yet is bound into the removed victim: a
         read of it finds the segment gone and looks again, which waits for `_merging`
         (the caller holds it until the last step)."""
-        for lo in range(0, len(moves), _STEP):
+        for lo in range(0, len(moves), STEP):
             if lo:
                 yield
-            for old, new in zip(moves[lo:lo + _STEP], moved[lo:lo + _STEP], strict=True):
+            for old, new in zip(moves[lo:lo + STEP], moved[lo:lo + STEP], strict=True):
                 now = self.entries.get(old.key)
                 if now is not None and _same_record(now, old):
                     self.entries[old.key] = new._replace(stamp=max(now.stamp, new.stamp))
