@@ -185,7 +185,7 @@ class _FileUpkeep:
         """Move `victim`'s live records to an active segment and remove it; None if another
         process holds it.
 
-        The plan and the re-pointing hold `_merging` and let the loop run every `_STEP`
+        The plan and the re-pointing hold `_merging` and let the loop run every `STEP`
         records (a segment of 32k records held it 50 ms at once); the copy runs on an I/O
         thread without it.
 
