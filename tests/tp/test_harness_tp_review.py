@@ -54,7 +54,6 @@ import torch
 from aiohicache import CapacityError, ClosedError, FetchContext, HiCache, HiCacheConfig
 from aiohicache.controller import page_format
 from aiohicache.distributed import TPGroup
-from aiohicache.radix import HostState
 from aiohicache.storage import FaultyBackend
 from aiohicache.storage.memory import MemoryBackend
 from tests import test_harness_l3_review as harness_l3
@@ -843,17 +842,12 @@ def assert_quiescent(rank: Rank) -> None:
 
 
 def assert_backed_up(rank: Rank) -> None:
-    """After a drain, every settled host copy with `backup_threshold` hits is in L3 (as far
-    as the cache knows: its pages' `stored` flags), as test_harness_l3_review checks."""
-    cache = rank.c
-    if cache.storage is None:
-        return
-    threshold = cache.config.backup_threshold
-    for node in cache.tree.iter_nodes():
-        if node.host_state is HostState.RESIDENT and node.hit_count >= threshold:
-            assert node.stored is not None and all(node.stored), (
-                f"rank {rank.r}: {node!r} has {node.hit_count} hits (backup_threshold "
-                f"{threshold}) and a settled host copy, but is not backed up: {node.stored}")
+    """After a drain, every settled host copy with `backup_threshold` hits is in L3, as
+    test_harness_l3_review checks, naming the rank."""
+    try:
+        harness_l3.assert_backed_up(rank.c)
+    except AssertionError as exc:
+        raise AssertionError(f"rank {rank.r}: {exc}") from None
 
 
 async def run_seed(seed: int, directory: Path, steps: int = STEPS) -> dict[str, int]:
