@@ -25,7 +25,7 @@ from aiohttp import web
 from .. import ConfigError, HiCacheError
 from .._concurrency import finish_then_cancel
 from .._validate import check_int, check_number
-from .engine import Engine, SamplingParams, Usage
+from .engine import Engine, SamplingParams, Tokenizer, Usage
 
 __all__ = ("ListenError", "build_app", "running_server", "serve")
 
@@ -239,12 +239,13 @@ async def _stream(request: web.Request, head: dict[str, Any], first: int,
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
+    text = _Detokenizer(engine.tokenizer)
     token: int | None = first
     while token is not None:
-        await _event(resp, {**head, "choices": [_choice(engine.tokenizer.decode([token]), None)],
+        await _event(resp, {**head, "choices": [_choice(text.push(token), None)],
                             "token_ids": [token]})
         token = await anext(tokens, None)
-    await _event(resp, {**head, "choices": [_choice("", "length")], "token_ids": []})
+    await _event(resp, {**head, "choices": [_choice(text.flush(), "length")], "token_ids": []})
     options = body.get("stream_options") or {}
     if isinstance(options, dict) and options.get("include_usage"):
         await _event(resp, {**head, "choices": [], "usage": _usage(usage),
@@ -252,6 +253,45 @@ async def _stream(request: web.Request, head: dict[str, Any], first: int,
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+class _Detokenizer:
+    """The text of a token stream, piece by piece, whose pieces join to what decoding all
+    the tokens at once gives (the non-streamed text).
+
+    NOTE: each token was decoded alone: a character whose UTF-8 bytes span tokens (byte-level
+    BPE, the byte tokenizer) streamed as U+FFFD replacement characters, and SentencePiece,
+    which drops a sequence's leading space, glued words together. Each piece is now the
+    decoded text of a short window of recent tokens less that of the window without the new
+    ones, held back while it ends in an incomplete character (vLLM and TGI do the same).
+    """
+
+    __slots__ = ("_decode", "_ids", "_prefix", "_read")
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._decode = tokenizer.decode
+        self._ids: list[int] = []
+        self._prefix = 0  # the window starts here: context for the tokens not yet shown
+        self._read = 0  # tokens before this one are shown
+
+    def push(self, token: int) -> str:
+        """The text `token` adds ("" while it may still be part of a character)."""
+        self._ids.append(token)
+        piece = self._piece()
+        if not piece or piece.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return piece
+
+    def flush(self) -> str:
+        """The text still held back, once the stream has ended."""
+        piece = self._piece()
+        self._prefix = self._read = len(self._ids)
+        return piece
+
+    def _piece(self) -> str:
+        shown = self._decode(self._ids[self._prefix:self._read])
+        return self._decode(self._ids[self._prefix:])[len(shown):]
 
 
 async def _event(resp: web.StreamResponse, data: dict[str, Any]) -> None:
@@ -296,6 +336,7 @@ async def _prompt(app: web.Application, prompt: object) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
+        _check_text(prompt)
         encode = app[ENGINE].tokenizer.encode
         if len(prompt) <= _INLINE_CHARS:
             return list(encode(prompt))
@@ -307,20 +348,64 @@ async def _prompt(app: web.Application, prompt: object) -> list[int]:
                       "request)")
 
 
+def _check_text(prompt: str) -> None:
+    """Refuse text that is not Unicode scalar values (JSON can spell a lone surrogate,
+    ``"\\ud800"``, which no tokenizer encodes: it was a 500)."""
+    if prompt.isascii():  # O(1): CPython records it
+        return
+    try:
+        prompt.encode()
+    except UnicodeEncodeError as exc:
+        raise _BadRequest(f"prompt: not valid Unicode text (a lone surrogate at character "
+                          f"{exc.start})") from None
+
+
 def _params(body: dict[str, Any]) -> SamplingParams:
-    max_tokens = check_int("max_tokens", body.get("max_tokens", 16), low=1,
+    _refuse_unsupported(body)
+    max_tokens = check_int("max_tokens", _given(body, "max_tokens", 16), low=1,
                            high=_MAX_TOKENS_LIMIT, error=_BadRequest)
-    temperature = check_number("temperature", body.get("temperature", 1.0), low=0, high=2,
-                               error=_BadRequest)
+    temperature = check_number("temperature", _given(body, "temperature", 1.0), low=0,
+                               high=2, error=_BadRequest)
     seed = body.get("seed")
     if seed is not None:
         seed = check_int("seed", seed, low=-(1 << 63), high=(1 << 64) - 1,  # torch's range
                          error=_BadRequest)
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    top_p = check_number("top_p", _given(body, "top_p", 1.0), low=0, low_open=True, high=1,
+                         error=_BadRequest)
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                          top_p=top_p)
+
+
+def _given(body: dict[str, Any], name: str, default: object) -> object:
+    """`name`'s value, or `default` where it is absent or null (OpenAI's optional fields
+    are nullable: ``"max_tokens": null`` asks for the default, and was a 400)."""
+    value = body.get(name)
+    return default if value is None else value
+
+
+_UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "stop": ("", []), "suffix": ("",),
+    "logit_bias": ({},), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "logprobs": (),
+}
+"""OpenAI fields the server does not implement, with the values that ask for nothing (and
+null): any other value is refused, naming the field. NOTE: they were ignored, so
+``"stop": ["\\n"]`` or ``"n": 3`` got a 200 that did not do what it asked (text past the
+stop, one choice)."""
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, neutral in _UNSUPPORTED.items():
+        value = body.get(name)
+        # of the neutral value's type too: True == 1 and False == 0 in Python
+        if value is not None and not any(type(value) is type(n) and value == n
+                                         for n in neutral):
+            raise _BadRequest(f"{name}: not supported by this server (got {value!r}); "
+                              f"leave it out")
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
+    value = _given(body, name, False)
     if not isinstance(value, bool):
         raise _BadRequest(f"{name}: true or false")
     return value

@@ -25,10 +25,19 @@ import torch
 import xxhash
 from transformers import DynamicCache, PreTrainedModel
 
-from .. import CapacityError, ConfigError, HiCache, HiCacheConfig
+from .. import (
+    CapacityError,
+    ClosedError,
+    ConfigError,
+    FetchContext,
+    HiCache,
+    HiCacheConfig,
+    TransferError,
+    WorkerError,
+)
 from .._concurrency import finish_then_cancel, run_in_thread
-from .._validate import check_int
-from ..hf import HFAdapter, forward, kv_spec
+from .._validate import check_int, check_number
+from ..hf import HFAdapter, Prefill, forward, kv_spec
 from ..metrics import render as render_cache_metrics
 
 __all__ = ("ByteTokenizer", "Engine", "EngineConfig", "Metrics", "SamplingParams", "Tokenizer",
@@ -96,7 +105,10 @@ class EngineConfig:
             # NOTE: it was rounded up to one page, unsaid
             raise ConfigError(f"device_tokens: {self.device_tokens} is less than one page "
                               f"({self.page_size} tokens)")
-        check_int("host_tokens", self.host_tokens, low=0)
+        if 0 < check_int("host_tokens", self.host_tokens, low=0) < self.page_size:
+            # NOTE: it was rounded down to no page: no L2 tier at all, unsaid
+            raise ConfigError(f"host_tokens: {self.host_tokens} is less than one page "
+                              f"({self.page_size} tokens); 0 for no L2")
         check_int("compute_threads", self.compute_threads, low=1)
         check_int("max_running", self.max_running, low=1)
         if self.torch_threads is not None:  # else torch's RuntimeError when the engine opens
@@ -109,6 +121,14 @@ class SamplingParams:
     temperature: float = 0.0
     """0: greedy."""
     seed: int | None = None
+    top_p: float = 1.0
+    """Nucleus sampling: draw from the fewest most likely tokens whose probabilities sum to
+    at least this (1: all of them). No effect when greedy."""
+
+    def __post_init__(self) -> None:
+        check_int("max_tokens", self.max_tokens, low=1)
+        check_number("temperature", self.temperature, low=0)
+        check_number("top_p", self.top_p, low=0, low_open=True, high=1)
 
 
 @dataclass(slots=True)
@@ -317,13 +337,30 @@ class Engine:
                     async for token in tokens:
                         yield token
                 if self.config.commit_output:
-                    with contextlib.suppress(CapacityError):  # the output is not cached
-                        await adapter.commit_decoded(hit, out, fed)
+                    await self._commit_output(adapter, hit, out, fed)
                 return
         tokens = self._uncached(prompt, params, usage)
         async with contextlib.aclosing(tokens):
             async for token in tokens:
                 yield token
+
+    async def _commit_output(self, adapter: HFAdapter, hit: FetchContext, out: Prefill,
+                             fed: list[int]) -> None:
+        """Cache the generated tokens' KV, if the cache can: every token has been yielded.
+
+        NOTE: only a `CapacityError` was kept from the client: a cache that failed meanwhile
+        (another request's copy failed: `WorkerError`) turned a finished generation into a
+        500, or a stream cut before its finish and ``[DONE]``. The output's KV is an extra;
+        the next request learns of the failure (503).
+
+        Cancellation: as `HFAdapter.commit_decoded`.
+        """
+        try:
+            await adapter.commit_decoded(hit, out, fed)
+        except CapacityError:
+            pass  # no room: the output is not cached
+        except (WorkerError, TransferError, ClosedError) as exc:
+            log.warning("the generated tokens were not cached: %s", exc)
 
     async def _uncached(self, prompt: list[int], params: SamplingParams,
                         usage: Usage) -> AsyncGenerator[int, None]:
@@ -339,7 +376,7 @@ class Engine:
         """Sample from `logits`, then decode on `past`; `fed` grows by each token fed back."""
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         for step in range(params.max_tokens):
-            token = _sample(logits, params.temperature, gen)
+            token = _sample(logits, params, gen)
             yield token
             if step + 1 < params.max_tokens:
                 fed.append(token)
@@ -355,15 +392,26 @@ class Engine:
         return logits[0, -1]
 
 
-def _sample(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
-    if temperature <= 0:
+def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    if params.temperature <= 0:
         return int(logits.argmax())
     # NOTE: float64 and the max subtracted first: a small temperature made logits /
     # temperature inf (or 0 / 0 in float32) and the probabilities NaN, and multinomial
     # raised; now the max stays 0, the rest go to -inf: greedy in the limit, as it should
     scaled = logits.double()
-    probs = torch.softmax((scaled - scaled.max()) / temperature, dim=-1)
+    probs = torch.softmax((scaled - scaled.max()) / params.temperature, dim=-1)
+    if params.top_p < 1:
+        probs = _nucleus(probs, params.top_p)
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs` with all but the fewest most likely tokens whose mass reaches `top_p` zeroed
+    (the most likely token always stays; multinomial renormalises)."""
+    ordered, order = torch.sort(probs, descending=True)
+    before = torch.cumsum(ordered, dim=-1) - ordered  # the mass ahead of each token
+    ordered[before >= top_p] = 0
+    return torch.zeros_like(probs).scatter_(-1, order, ordered)
 
 
 def cache_config(model: PreTrainedModel, config: EngineConfig) -> HiCacheConfig:
