@@ -71,17 +71,21 @@ class ZmqEventPublisher:
     big-endian, 0 first), and `encode_batch`'s payload. With `replay_endpoint`, a ROUTER
     socket answers a request frame holding a start sequence number (8 bytes, big-endian) with
     every buffered batch from there (``[seq, payload]`` each, the last `buffer_steps` kept),
-    then ``[-1, b""]``. A batch the PUB socket cannot take at once (past `hwm`) is dropped and
-    counted in `dropped`; subscribers see the gap and replay it. Sequence numbers are the
-    cache's batch numbers, so batches this publisher's own stream dropped (it fell
-    `max_batches` behind) are gaps too, which replay cannot fill. So is a batch that cannot be
-    encoded (a bug): it is skipped, logged at ERROR and counted in `failed`, and publishing
-    goes on, as vLLM's publisher does; telemetry never stops the cache.
+    then ``[-1, b""]``. Past `hwm` batches queued for one subscriber, ZMQ drops the next ones
+    for that subscriber, silently (a PUB socket never refuses a send, so nothing here can
+    count them); it sees the gap in `seq` and replays it. Sequence numbers are the cache's
+    batch numbers, so batches this publisher's own stream dropped (it fell `max_batches`
+    behind) are gaps for every subscriber, which replay cannot fill: counted in `dropped`.
+    So is a batch that cannot be encoded (a bug): it is skipped, logged at ERROR and counted
+    in `failed`, and publishing goes on, as vLLM's publisher does; telemetry never stops the
+    cache.
 
     A replay waits for a slow client rather than drop what its pipe cannot take yet; one
     that takes longer than `replay_timeout_s` is abandoned (no end marker comes), since
     requests are served one at a time. Leaving the block publishes the changes made until
-    then, and closes the sockets even when the block is cancelled.
+    then, waits up to `linger_s` for the PUB socket to hand what it still queues to the
+    subscribers (on a worker thread: the loop runs meanwhile), and closes the sockets even
+    when the block is cancelled.
 
         cache = HiCache(config)
         async with ZmqEventPublisher(cache, "tcp://*:5557",
@@ -105,7 +109,7 @@ class ZmqEventPublisher:
                  hash_format: Literal["int", "bytes"] = "int",
                  medium_names: Mapping[str, str] = DEFAULT_MEDIUM_NAMES,
                  data_parallel_rank: int | None = None,
-                 replay_timeout_s: float = 10.0) -> None:
+                 replay_timeout_s: float = 10.0, linger_s: float = 1.0) -> None:
         self.cache = cache
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -119,7 +123,9 @@ class ZmqEventPublisher:
                                    check_int("data_parallel_rank", data_parallel_rank, low=0))
         self.replay_timeout_s = check_number("replay_timeout_s", replay_timeout_s, low=0,
                                              low_open=True)
-        self.dropped = 0
+        self.linger_s = check_number("linger_s", linger_s, low=0)
+        self._dropped = 0
+        """Batches the streams closed so far dropped (a stream is replaced on re-entry)."""
         self.sent = 0
         self.failed = 0
         self._buffer: deque[tuple[int, bytes]] = deque(
@@ -159,13 +165,21 @@ class ZmqEventPublisher:
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         await self.aclose()
 
+    @property
+    def dropped(self) -> int:
+        """Batches this publisher never got to send: its stream fell `max_batches` behind
+        the cache (gaps in `seq` for every subscriber, which replay cannot fill)."""
+        return self._dropped + (0 if self._stream is None else self._stream.dropped)
+
     async def aclose(self) -> None:
-        """Publish the changes made up to now, then close the sockets. Idempotent.
+        """Publish the changes made up to now, give the PUB socket up to `linger_s` to
+        deliver them, then close the sockets. Idempotent.
 
         Call it from the task that entered the publisher (its task group is scoped there).
 
         Cancellation: the queued batches are sent before the first wait, and the sockets
-        close whatever happens; the cancellation is then re-raised.
+        close whatever happens (the wait for delivery is shielded: at most `linger_s`);
+        the cancellation is then re-raised.
         """
         tasks, self._tasks = self._tasks, None
         try:
@@ -176,7 +190,7 @@ class ZmqEventPublisher:
                 # `async with` body); the `finally` is what still closes the sockets.
                 await tasks.__aexit__(None, None, None)
         finally:
-            self._close_sockets()
+            await self._linger_and_close()
 
     def _bind(self) -> None:
         import zmq
@@ -196,9 +210,28 @@ class ZmqEventPublisher:
             self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _close_sockets(self) -> None:
+        """Close at once, dropping what the sockets still queue (nothing sent yet)."""
         if self._ctx is not None:
             self._ctx.destroy(linger=0)  # closes every socket it made
         self._ctx = self._pub = self._router = None
+
+    async def _linger_and_close(self) -> None:
+        """Close the sockets; the PUB socket's queue still goes out for up to `linger_s`.
+
+        NOTE: ZMQ discards what a socket closed with linger 0 still queues: the last batches
+        sent, `AllBlocksCleared` among them, never reached a subscriber that was a moment
+        behind. The wait is the context's `term`, which blocks: on a worker thread. The
+        sockets are closed here, on the loop, which watches their descriptors.
+        """
+        ctx, pub, router = self._ctx, self._pub, self._router
+        self._ctx = self._pub = self._router = None
+        if ctx is None:
+            return
+        if router is not None:
+            router.close(linger=0)  # a replay in progress is abandoned anyway
+        pub.close(linger=round(self.linger_s * 1000))
+        with anyio.CancelScope(shield=True):  # bounded by linger_s
+            await anyio.to_thread.run_sync(ctx.term)
 
     async def _send_the_rest(self) -> None:
         """Send what the stream holds, the open batch sealed into it first.
@@ -206,12 +239,13 @@ class ZmqEventPublisher:
         NOTE: nothing here waits (`EventStream.aclose` never suspends), so a cancellation
         cannot cut it short.
         """
-        stream, self._stream = self._stream, None
+        stream = self._stream
         if stream is None:
             return
         await stream.aclose()
         while (batch := stream.get_nowait()) is not None:
             self._send(batch)
+        self._stream, self._dropped = None, self._dropped + stream.dropped
 
     @staticmethod
     async def _contained(work: Callable[[], Awaitable[None]]) -> None:
@@ -247,15 +281,11 @@ class ZmqEventPublisher:
             return
         if self.replay_endpoint is not None:  # else nobody can ask: up to GBs kept for none
             self._buffer.append((seq, payload))
-        try:
-            # NOTE: a PUB socket never blocks; NOBLOCK makes "past the high-water mark" an
-            # error we count instead of a silent drop.
-            self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload],
-                                     flags=zmq.NOBLOCK)
-            self.sent += 1
-        except zmq.Again:
-            self.dropped += 1
-            log.debug("KV event batch %d dropped (PUB high-water mark)", seq)
+        # NOTE: a PUB socket never blocks nor refuses: past a subscriber's high-water mark
+        # ZMQ drops the message for that subscriber without telling (zmq.Again never comes)
+        self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload],
+                                 flags=zmq.NOBLOCK)
+        self.sent += 1
 
     async def _serve_replay(self) -> None:
         """Answer replay requests one at a time, each for at most `replay_timeout_s`."""

@@ -219,22 +219,24 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         """How many of `keys`, from the first, are stored (0 if the store fails)."""
         if not keys:
             return 0
-        got = self._call("exists", lambda b: b.exists(self._keys(keys)), 0)
+        got = self._call(self._require(), "exists", lambda b: b.exists(self._keys(keys)), 0)
         return int(got)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> list[bool]:
         """Read each page into the host pool at ``host_indices[i * page_size]``."""
         start = time.perf_counter()
-        staging = self._staging(len(keys))
-        ok = self._call("get", lambda b: b.get_into(self._keys(keys), _views(staging)),
+        backend = self._require()
+        staging = self._staging(backend, len(keys))
+        ok = self._call(backend, "get",
+                        lambda b: b.get_into(self._keys(keys), _views(staging)),
                         [False] * len(keys))
         pool = self.mem_pool_host
         for i, filled in enumerate(ok):
             if filled:
                 pool.set_from_flat_data_page(int(host_indices[i * pool.page_size]),
                                              staging[i].view(self._page_dtype))
-        self._record("prefetch", ok, start)
+        self._record("prefetch", ok, start, backend)
         return list(ok)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -242,14 +244,16 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         """Store the host pool's pages at ``host_indices[i * page_size]`` under `keys`."""
         start = time.perf_counter()
         pool = self.mem_pool_host
-        staging = self._staging(len(keys))
+        backend = self._require()
+        staging = self._staging(backend, len(keys))
         for i in range(len(keys)):
             page = pool.get_data_page(int(host_indices[i * pool.page_size]), flat=True)
             staging[i].copy_(page.contiguous().view(torch.uint8))
-        ok = self._call("set", lambda b: b.set_from(self._keys(keys), _views(staging)),
+        ok = self._call(backend, "set",
+                        lambda b: b.set_from(self._keys(keys), _views(staging)),
                         [False] * len(keys))
         self._remember(keys, ok)
-        self._record("backup", ok, start)
+        self._record("backup", ok, start, backend)
         return list(ok)
 
     # ---------------------------------------------------------------- per-key API
@@ -268,9 +272,11 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         targets = list(target_locations or [None] * len(keys))
         if len(targets) != len(keys):
             raise ConfigError(f"target_locations: {len(targets)} for {len(keys)} keys")
-        staging = self._staging(len(keys))
+        backend = self._require()
+        staging = self._staging(backend, len(keys))
         _check_targets(targets, staging.shape[1], self._page_dtype)
-        ok = self._call("get", lambda b: b.get_into(self._keys(keys), _views(staging)),
+        ok = self._call(backend, "get",
+                        lambda b: b.get_into(self._keys(keys), _views(staging)),
                         [False] * len(keys))
         out: list[torch.Tensor | None] = []
         for i, filled in enumerate(ok):
@@ -295,14 +301,16 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         """
         if values is None or len(values) != len(keys):
             return False
-        staging = self._staging(len(keys))
+        backend = self._require()
+        staging = self._staging(backend, len(keys))
         for i, value in enumerate(values):
             raw = value.contiguous().view(torch.uint8).reshape(-1)
             if raw.numel() != staging.shape[1]:  # copy_ would broadcast a 1-byte value
                 raise ConfigError(f"values[{i}]: {raw.numel()} bytes, a page holds "
                                   f"{staging.shape[1]}")
             staging[i].copy_(raw)
-        ok = self._call("set", lambda b: b.set_from(self._keys(keys), _views(staging)),
+        ok = self._call(backend, "set",
+                        lambda b: b.set_from(self._keys(keys), _views(staging)),
                         [False] * len(keys))
         self._remember(keys, ok)
         return all(ok)
@@ -315,7 +323,7 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         with self._lock:
             keys, self._stored = list(self._stored), OrderedDict()
         if keys:
-            self._call("delete", lambda b: b.delete(keys), 0)
+            self._call(self._require(), "delete", lambda b: b.delete(keys), 0)
 
     def get_stats(self) -> StorageStats:
         """Batches since the last call (then forgotten) and the store's counters."""
@@ -333,8 +341,8 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         prefix = self._key_prefix
         return [hashlib.blake2b(prefix + k.encode(), digest_size=32).hexdigest() for k in keys]
 
-    def _staging(self, num_pages: int) -> torch.Tensor:
-        backend = self._require()
+    @staticmethod
+    def _staging(backend: StorageBackend, num_pages: int) -> torch.Tensor:
         return torch.empty((num_pages, backend.fmt.payload_bytes), dtype=torch.uint8)
 
     def _require(self) -> StorageBackend:
@@ -342,9 +350,14 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
             raise RuntimeError("aiohicache storage: register_mem_pool_host() first (or closed)")
         return self._backend
 
-    def _call(self, what: str, op: Callable[[StorageBackend], Awaitable[T]], failed: T) -> T:
-        """Run ``op(store)`` on the loop thread; on any error log it and return `failed`."""
-        backend = self._require()
+    def _call(self, backend: StorageBackend, what: str,
+              op: Callable[[StorageBackend], Awaitable[T]], failed: T) -> T:
+        """Run ``op(backend)`` on the loop thread; on any error log it and return `failed`.
+
+        NOTE: `backend` is the one the batch began with (`_require`): `close` may run on
+        another thread meanwhile, and the batch must then end as a miss (the loop refuses
+        it), not raise because the store is gone.
+        """
         try:
             return self._loop.run(lambda: op(backend), self.timeout_s)
         except Exception:
@@ -362,13 +375,14 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
             while len(stored) > self.clear_memory:
                 stored.popitem(last=False)
 
-    def _record(self, kind: str, ok: Sequence[bool], start: float) -> None:
+    def _record(self, kind: str, ok: Sequence[bool], start: float,
+                backend: StorageBackend) -> None:
         """Note a prefetch or backup batch: pages done and GB/s (with storage metrics)."""
         if not self._metrics:
             return
         done = sum(ok)
         seconds = max(time.perf_counter() - start, 1e-9)
-        gbps = done * self._require().fmt.payload_bytes / seconds / 1e9
+        gbps = done * backend.fmt.payload_bytes / seconds / 1e9
         with self._lock:
             getattr(self._stats, f"{kind}_pgs").append(done)
             getattr(self._stats, f"{kind}_bandwidth").append(gbps)
