@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import threading
@@ -117,10 +118,30 @@ class _LoopThread:
             future.cancel()  # wakes its waiter now; the task is cancelled on the loop
         if self.loop.is_closed():
             return
+        # NOTE: the cancelled tasks must run to their end on the loop before it stops: a loop
+        # stopped at once left them pending, their `finally` blocks unrun ("Task was
+        # destroyed but it is pending!" at exit)
+        settled = asyncio.run_coroutine_threadsafe(_settle(), self.loop)
+        with contextlib.suppress(Exception):
+            settled.result(_SETTLE_S + 1)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+_SETTLE_S = 5.0
+"""How long `_LoopThread.stop` waits for the cancelled calls to finish their clean-up."""
+
+
+async def _settle() -> None:
+    """Cancel every other task on this loop and wait (at most `_SETTLE_S`) for them to end."""
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in tasks:
+        if not task.cancelling():  # a second cancel would cut its clean-up short
+            task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=_SETTLE_S)
 
 
 def _model_namespace(storage_config: Any, extra: dict[str, Any]) -> str:

@@ -176,3 +176,42 @@ def test_a_batch_that_began_before_close_is_a_miss_not_an_error(tmp_path: Path,
 async def test_a_bad_linger_is_a_config_error(bad: Any) -> None:
     with pytest.raises(ConfigError, match="linger_s"):
         ZmqEventPublisher(FakeCache(), LOCAL, linger_s=bad)  # type: ignore[arg-type]
+
+
+def test_stopping_the_loop_thread_lets_the_cancelled_calls_clean_up() -> None:
+    """`close` (SGLang's detach) cancels the calls other threads wait on; each must then run
+    its clean-up on the loop before the loop stops. The loop was stopped at once: the
+    cancelled tasks stayed pending, their `finally` blocks never ran (a connection or a
+    lease not given back), "Task was destroyed but it is pending!" at exit."""
+    import concurrent.futures
+    import threading
+
+    from aiohicache.sglang_plugin import _LoopThread
+
+    thread = _LoopThread("review")
+    started, cleaned = threading.Event(), threading.Event()
+
+    async def stuck() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0)  # clean-up that itself awaits
+            cleaned.set()
+
+    outcome: list[BaseException] = []
+
+    def caller() -> None:
+        try:
+            thread.run(stuck, None)
+        except BaseException as exc:  # what the caller saw is the point
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=caller)
+    waiter.start()
+    assert started.wait(5)
+    thread.stop()
+    waiter.join(5)
+    assert cleaned.is_set()
+    assert thread.loop.is_closed()
+    assert len(outcome) == 1 and isinstance(outcome[0], concurrent.futures.CancelledError)
