@@ -171,6 +171,8 @@ def _refuse_ignored_options(*, sweep: list[str] | None, time_mode: str, l3: str,
         ("write_policy", _no_l2(spec_and_tiers["l2"]), "moves L1 pages to L2: --l2 0 has none"),
         ("host_layout", _no_l2(spec_and_tiers["l2"]), "lays out L2: --l2 0 has none"),
         ("prefetch_policy", l3 == "none", "paces reads from L3: --l3 none has none"),
+        ("l3", _no_l2(spec_and_tiers["l2"]) and l3 != "none",
+         "is read into L2 and written from it: --l2 0 has none"),
     ]
     for name, ignored, why in rules:
         if ignored and name in given:
@@ -253,7 +255,9 @@ def _base_config(*, model: str, layers: int | None, kv_heads: int | None,
         device_tokens=parse_capacity(l1, bytes_per_token=spec.bytes_per_token,
                                      field_name="l1"),
         host_tokens=parse_capacity(l2, bytes_per_token=spec.bytes_per_token, field_name="l2"),
-        storage=None if l3 == "none" else l3, **rest)
+        # NOTE: no L3 under a single tier, not the default's temporary store: no page would
+        # reach it, and the report would name it
+        storage=None if l3 == "none" or _no_l2(l2) else l3, **rest)
 
 
 def _trace(trace: str, limit: int | None, *, streamed: bool) -> Trace:

@@ -12,6 +12,7 @@ only file off, and the directory is removed when it stops.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -37,7 +38,8 @@ class RedisServer:
     """One ``redis-server`` process owned by this object (sync: it only spawns and waits).
 
     `start` picks a free port, runs the server with ``--bind 127.0.0.1 --save ""
-    --appendonly no`` in a temporary directory and waits until it answers PING; `stop` ends
+    --appendonly no`` in a temporary directory and waits until it answers ``INFO`` with its
+    own process id (so a password goes in `password`, not in ``extra_args``); `stop` ends
     it. `kill`, `pause` and `resume` simulate failures (SIGKILL, SIGSTOP, SIGCONT).
     """
 
@@ -72,7 +74,7 @@ class RedisServer:
         return f"redis://{auth}{_HOST}:{self.port}/{db}"
 
     def start(self, timeout: float = 10.0) -> None:
-        """Start the server and wait until it answers PING.
+        """Start the server and wait until it answers, as itself (its process id).
 
         Raises:
             RedisServerError: redis-server is not installed, or did not come up in `timeout`.
@@ -112,7 +114,9 @@ class RedisServer:
             if self._proc.poll() is not None:  # exited: most likely the port was taken
                 self._proc = None
                 return False
-            if _answers_ping(self.port):
+            # NOTE: whose answer, not just an answer: another process's server may take the
+            # port between _free_port and our bind; ours then exits, but the port answers
+            if _pid_on(self.port, self.password) == self._proc.pid:
                 return True
             time.sleep(0.01)
         tail = self._log_tail()
@@ -287,14 +291,38 @@ def _free_port() -> int:
         return port
 
 
-def _answers_ping(port: int) -> bool:
-    """Whether a server on `port` answers an inline PING (``-NOAUTH`` counts as an answer)."""
+_PROCESS_ID = re.compile(rb"\r\nprocess_id:(\d+)\r\n")
+_ERROR_REPLY = re.compile(rb"(?:^|\r\n)-[^\r]*\r\n")
+"""A RESP error reply (``-NOAUTH ...``); no line of INFO's text starts with a dash."""
+
+
+def _pid_on(port: int, password: str | None) -> int | None:
+    """The process id of the server on `port` (``INFO server``, after ``AUTH`` with
+    `password`), or None if it gave none (refused, another password, not Redis)."""
+    words = [["AUTH", password]] if password is not None else []
+    request = b"".join(map(_resp, [*words, ["INFO", "server"]]))
+    data = b""
     try:
-        with socket.create_connection((_HOST, port), timeout=0.5) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
+        with socket.create_connection((_HOST, port), timeout=1.0) as sock:
+            sock.sendall(request)
+            while not (_PROCESS_ID.search(data) or _ERROR_REPLY.search(data)):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
     except OSError:
-        return False
+        return None
+    found = _PROCESS_ID.search(data)
+    return int(found.group(1)) if found else None
+
+
+def _resp(words: list[str]) -> bytes:
+    """A command as a RESP array: a password may hold spaces an inline command would split."""
+    parts = [f"*{len(words)}\r\n".encode()]
+    for word in words:
+        data = word.encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
 
 
 def _signal(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -42,7 +42,8 @@ def load_agentic(path: PathLike, *, limit: int | None = None,
     One JSON object a line (gzip): ``trace`` (session id), ``t`` (seconds since the session
     started), ``input_length``, ``output_length``, ``block_size``, ``hash_ids`` (one per
     WHOLE block: exactly ``input_length // block_size`` of them), ``think_time``, ``api_time``
-    (the last two are not used). A session's lines must be in order of ``t``.
+    (the last two are not used). A session's lines must be in order of ``t``; every line
+    must have the same ``block_size``.
 
     Sessions are numbered k = 0, 1, ... in the order they first appear in the file, and:
 
@@ -100,10 +101,20 @@ def _interleave(sessions: list[list[_Turn]], limit: int | None, interleave: Inte
 
 
 def _sessions(path: PathLike) -> list[list[_Turn]]:
-    """The file's requests grouped by session, sessions in order of first appearance."""
+    """The file's requests grouped by session, sessions in order of first appearance.
+
+    NOTE: one block size for the whole file: hash id h of B tokens is the tokens h*B ..
+    h*B+B-1, so under two sizes disjoint ids can name the same tokens, and sessions that
+    share nothing would be served each other's KV.
+    """
     sessions: dict[str, list[_Turn]] = {}
+    block_size: int | None = None
     for where, record in records(path, limit=None):
         with at(where):
+            size = int_field(record, "block_size")
+            block_size = size if block_size is None else block_size
+            check(size == block_size, f"block_size {size} differs from the trace's "
+                                      f"{block_size}: one trace has one block size")
             name = str_field(record, "trace")
             turn = _Turn(where=where, session=name, t=number_field(record, "t"),
                          ids=ids_field(record), record=record)

@@ -218,6 +218,13 @@ def _pyplot() -> Any:
     return plt
 
 
+def _curve_name(r: ReplayResult) -> str:
+    """What the `hit_ratio` curve counts: every tier the replay had (L3 is read through L2)."""
+    tiers = ["L1", *(["L2"] if r.host_tokens else []),
+             *(["L3"] if r.host_tokens and r.storage is not None else [])]
+    return f"{' + '.join(tiers)} hit ratio" if len(tiers) > 1 else "hit ratio"
+
+
 def _draw(plt: Any, results: Sequence[ReplayResult], title: str) -> Any:
     """The figure: one curve per policy, in order of L1 capacity (a sweep may list its
     capacities in any order; drawn as given, the line would double back)."""
@@ -229,8 +236,7 @@ def _draw(plt: Any, results: Sequence[ReplayResult], title: str) -> Any:
         xs = [r.device_tokens for r in mine]
         label = f"{policy}: " if len(policies) > 1 else ""
         line, = ax.plot(xs, [r.hit_ratio for r in mine], marker="o",
-                        label=f"{label}L1 + L2 hit ratio" if mine[0].host_tokens else
-                        f"{label}hit ratio")
+                        label=f"{label}{_curve_name(mine[0])}")
         if mine[0].host_tokens:
             ax.plot(xs, [r.l1_tokens / max(1, r.prompt_tokens) for r in mine], marker=".",
                     linestyle="--", color=line.get_color(), label=f"{label}L1 hit ratio")

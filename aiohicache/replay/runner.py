@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import secrets
 import tempfile
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
@@ -104,13 +105,14 @@ class ReplayConfig:
         self.cache_config(None if isinstance(self.storage, str) and self.storage == "tmp"
                           else self.storage)
 
-    def cache_config(self, storage: str | None = None) -> HiCacheConfig:
+    def cache_config(self, storage: str | None = None, *,
+                     namespace: str = "default") -> HiCacheConfig:
         return HiCacheConfig(
             spec=scaled_spec(self.spec, self.kv_scale), page_size=self.page_size,
             device_pages=self.device_tokens // self.page_size,
             host_pages=self.host_tokens // self.page_size, write_policy=self.write_policy,
             eviction=_online(eviction_tiers(self.eviction)), host_layout=self.host_layout,
-            storage=storage, prefetch_policy=self.prefetch_policy)
+            storage=storage, prefetch_policy=self.prefetch_policy, namespace=namespace)
 
 
 def eviction_tiers(text: str) -> tuple[str, str]:
@@ -152,6 +154,11 @@ async def replay(config: ReplayConfig, requests: Requests, *,
     With ``opt`` eviction the requests are rewritten first (`FutureUses`): hit ratios are
     those of the trace, token ids are not.
 
+    The cache keys its L3 pages under a namespace of this replay's own, so a replay starts
+    with an empty L3 even when `config.storage` is a store that outlives it (a file or Redis
+    URL): token ids are names within one trace (and one renaming), and a sweep's rows must
+    not be served what the replays before them stored. Its pages stay in such a store.
+
     Raises:
         ConfigError: ``opt`` with a stream (it needs the whole trace), or a bad trace line.
 
@@ -169,8 +176,10 @@ async def replay(config: ReplayConfig, requests: Requests, *,
         if storage == "tmp":
             storage = "file://" + stack.enter_context(
                 tempfile.TemporaryDirectory(prefix="aiohicache-l3-"))
-        return await _replay(config, config.cache_config(storage), requests, progress,
-                             future)
+        # NOTE: a fresh namespace: the L3 keys of what earlier replays stored never match
+        namespace = f"aiohicache-replay-{secrets.token_hex(8)}"
+        return await _replay(config, config.cache_config(storage, namespace=namespace),
+                             requests, progress, future)
 
 
 def _use_belady(cache: HiCache, config: ReplayConfig, future: FutureUses) -> None:
