@@ -225,6 +225,13 @@ def _check_synthetic(args: dict[str, Any]) -> None:
 # -- dispatch --------------------------------------------------------------------------------
 
 
+def _is_mooncake(path: str) -> bool:
+    """Whether a ``.jsonl.gz`` file's first record is Mooncake's (a gzipped Mooncake trace
+    was read as kv-cache-tester sessions: "missing field 'trace'")."""
+    first = next((record for _, record in records(path, limit=1)), None)
+    return isinstance(first, dict) and "timestamp" in first and "trace" not in first
+
+
 def load_trace(name_or_path: str, *, limit: int | None = None) -> list[Request]:
     """Load a trace by name or path.
 
@@ -232,7 +239,8 @@ def load_trace(name_or_path: str, *, limit: int | None = None) -> list[Request]:
       trace.
     - ``"synthetic"``: `synthetic` with its default load (64 sessions x 8 turns on 4 system
       prompts of 2,048 tokens; 256-token turns and replies; 64-token blocks).
-    - a path ending ``.jsonl``: `load_mooncake`; ending ``.jsonl.gz``: `load_agentic`.
+    - a path ending ``.jsonl``: `load_mooncake`; ending ``.jsonl.gz``: `load_agentic`, or
+      `load_mooncake` when its first line is a Mooncake record (``timestamp``, no ``trace``).
 
     Args:
         name_or_path: as above.
@@ -247,6 +255,8 @@ def load_trace(name_or_path: str, *, limit: int | None = None) -> list[Request]:
     if name_or_path == "synthetic":
         return synthetic(**_SYNTHETIC_DEFAULTS)[:check_limit(limit)]
     if name_or_path.endswith(".jsonl.gz"):
+        if _is_mooncake(name_or_path):
+            return load_mooncake(name_or_path, limit=limit)
         return load_agentic(name_or_path, limit=limit)
     if name_or_path.endswith(".jsonl"):
         return load_mooncake(name_or_path, limit=limit)

@@ -139,3 +139,22 @@ def test_the_plot_names_every_tier_its_hit_ratio_counts() -> None:
     finally:
         plt.close(fig)
     assert labels == ["L1 + L2 + L3 hit ratio", "L1 hit ratio"]
+
+
+def test_a_gzipped_mooncake_trace_is_read_as_mooncake(tmp_path: Path) -> None:
+    """A ``.jsonl.gz`` holds a Mooncake trace as often as kv-cache-tester sessions: its
+    first record says which. It was always read as sessions ("missing field 'trace'")."""
+    from aiohicache.replay import load_mooncake, load_trace
+    lines = [{"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [1, 2]},
+             {"timestamp": 500, "input_length": 1536, "output_length": 4,
+              "hash_ids": [1, 2, 3]}]
+    plain, packed = tmp_path / "m.jsonl", tmp_path / "m.jsonl.gz"
+    plain.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with gzip.open(packed, "wt", encoding="utf-8") as f:
+        f.write(plain.read_text())
+    assert load_trace(str(packed)) == load_mooncake(plain) == load_trace(str(plain))
+    assert len(load_trace(str(packed), limit=1)) == 1
+    sessions = agentic_file(tmp_path / "s.jsonl.gz", [
+        {"trace": "a", "t": 0, "input_length": 128, "output_length": 1, "block_size": 64,
+         "hash_ids": [10, 11]}])
+    assert len(load_trace(str(sessions))) == 1
