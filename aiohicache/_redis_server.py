@@ -87,9 +87,13 @@ class RedisServer:
                 f"{self.executable!r} not found on PATH: install it (Debian/Ubuntu: apt-get "
                 "install redis-server); the Redis tests and benchmark need a real server")
         self._dir = tempfile.TemporaryDirectory(prefix="aiohicache-redis-")
-        for _ in range(_START_ATTEMPTS):
-            if self._spawn(path, timeout):
-                return
+        try:
+            for _ in range(_START_ATTEMPTS):
+                if self._spawn(path, timeout):
+                    return
+        except BaseException:  # NOTE: Ctrl-C while it waited left the server running
+            self.stop()
+            raise
         tail = self._log_tail()
         self.stop()
         raise RedisServerError(f"redis-server did not start: {tail}")

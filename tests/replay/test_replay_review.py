@@ -158,3 +158,25 @@ def test_a_gzipped_mooncake_trace_is_read_as_mooncake(tmp_path: Path) -> None:
         {"trace": "a", "t": 0, "input_length": 128, "output_length": 1, "block_size": 64,
          "hash_ids": [10, 11]}])
     assert len(load_trace(str(sessions))) == 1
+
+
+def test_a_redis_server_start_interrupted_leaves_no_server_behind(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or any exception) while `start` waits for the server to answer ends the
+    process and removes its directory. It left the server running (and its port taken)
+    for the rest of the test session."""
+    spawned: list[int] = []
+
+    def interrupted(port: int, password: str | None) -> int | None:
+        spawned.append(port)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_redis_server, "_pid_on", interrupted)
+    server = RedisServer()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            server.start()
+        assert spawned and not server.running
+        assert server._proc is None and server._dir is None
+    finally:
+        server.stop()  # (before the fix: the server left running)
