@@ -216,3 +216,21 @@ def test_sampling_params_are_checked() -> None:
                    {"temperature": float("nan")}, {"max_tokens": 0}):
         with pytest.raises(ConfigError, match=next(iter(fields))):
             SamplingParams(**fields)  # type: ignore[arg-type]
+
+
+async def test_a_server_fault_is_a_500_not_a_client_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `ConfigError` that is not about the request (a model whose KV does not fit its
+    spec, found at the first layer) is the server's fault: 500, not a 400 telling the
+    client to change a request that is fine. A prompt the model cannot take stays a 400."""
+    async def misfit(prompt: list[int], params: SamplingParams,
+                     usage: Usage) -> AsyncIterator[int]:
+        raise ConfigError("kv: the model computed 1 KV head, its spec says 4")
+        yield 0
+
+    async with engine() as eng, running_server(eng) as url, aiohttp.ClientSession() as session:
+        bad_prompt, _ = await raw_post(session, url, json.dumps(
+            {"prompt": [5, 600], "max_tokens": 1}))  # 600: past the vocabulary
+        monkeypatch.setattr(eng, "_cached", misfit)
+        status, got = await raw_post(session, url, json.dumps({"prompt": "x", "max_tokens": 1}))
+    assert bad_prompt == 400
+    assert status == 500 and "kv:" in got["error"]["message"]

@@ -14,11 +14,13 @@ from .engine import (
     Engine,
     EngineConfig,
     Metrics,
+    PromptError,
     SamplingParams,
     Usage,
     cache_config,
 )
 from .model import load_model
 
-__all__ = ("ByteTokenizer", "Engine", "EngineConfig", "ListenError", "Metrics", "SamplingParams",
-           "Usage", "build_app", "cache_config", "load_model", "running_server", "serve")
+__all__ = ("ByteTokenizer", "Engine", "EngineConfig", "ListenError", "Metrics", "PromptError",
+           "SamplingParams", "Usage", "build_app", "cache_config", "load_model", "running_server",
+           "serve")

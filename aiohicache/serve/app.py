@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
 import time
@@ -25,9 +26,11 @@ from aiohttp import web
 from .. import ConfigError, HiCacheError
 from .._concurrency import finish_then_cancel
 from .._validate import check_int, check_number
-from .engine import Engine, SamplingParams, Tokenizer, Usage
+from .engine import Engine, PromptError, SamplingParams, Tokenizer, Usage
 
 __all__ = ("ListenError", "build_app", "running_server", "serve")
+
+log = logging.getLogger(__name__)
 
 _MAX_TOKENS_LIMIT = 4096
 _INLINE_CHARS = 4096
@@ -214,8 +217,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     async with aclosing(engine.generate(prompt, params, usage)) as tokens:
         try:
             first = await anext(tokens)  # errors before any output are a clean HTTP error
-        except ConfigError as exc:
+        except PromptError as exc:
             return _error(400, str(exc))
+        except ConfigError as exc:  # NOTE: the server's set-up, not the request: was a 400
+            log.error("completion failed: %s", exc)
+            return _error(500, f"server misconfigured: {exc}", "server_error")
         except HiCacheError as exc:
             return _error(503, f"cache unavailable: {exc}", "server_error")
         head = _head(engine)

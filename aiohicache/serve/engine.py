@@ -40,8 +40,8 @@ from .._validate import check_int, check_number
 from ..hf import HFAdapter, Prefill, forward, kv_spec
 from ..metrics import render as render_cache_metrics
 
-__all__ = ("ByteTokenizer", "Engine", "EngineConfig", "Metrics", "SamplingParams", "Tokenizer",
-           "Usage", "cache_config")
+__all__ = ("ByteTokenizer", "Engine", "EngineConfig", "Metrics", "PromptError", "SamplingParams",
+           "Tokenizer", "Usage", "cache_config")
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,10 @@ class EngineConfig:
         check_int("max_running", self.max_running, low=1)
         if self.torch_threads is not None:  # else torch's RuntimeError when the engine opens
             check_int("torch_threads", self.torch_threads, low=1)
+
+
+class PromptError(ConfigError):
+    """A prompt the model cannot take (the client's fault: HTTP 400)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,7 +274,9 @@ class Engine:
         """Yield the generated token ids of one request; fill `usage` on the way.
 
         Raises:
-            ConfigError: the prompt is empty or too long for the model.
+            PromptError: the prompt is empty, too long for the model or holds ids outside
+                its vocabulary (the request's fault; any other `ConfigError` is the server's,
+                e.g. a model whose KV does not fit its spec).
 
         Cancellation (or the consumer closing the generator): the forward pass in flight
         finishes on its thread, the cache context exits; nothing leaks.
@@ -305,13 +311,13 @@ class Engine:
 
     def _check(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
-            raise ConfigError("prompt: must not be empty")
+            raise PromptError("prompt: must not be empty")
         if len(prompt) + params.max_tokens > self.max_positions:
-            raise ConfigError(f"prompt: {len(prompt)} tokens + max_tokens {params.max_tokens} "
+            raise PromptError(f"prompt: {len(prompt)} tokens + max_tokens {params.max_tokens} "
                               f"exceed the model's {self.max_positions} positions")
         vocab = int(self.model.config.vocab_size)
         if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ConfigError(f"prompt: token ids must be in 0..{vocab - 1}")
+            raise PromptError(f"prompt: token ids must be in 0..{vocab - 1}")
 
     async def _cached(self, prompt: list[int], params: SamplingParams,
                       usage: Usage) -> AsyncGenerator[int, None]:
