@@ -213,7 +213,7 @@ def _tree_capacity(capacity: str, page_size: int) -> int:
     pages, ram = tokens // page_size, _physical_memory()
     if ram is not None and pages * _ID_BYTES > ram:
         raise ConfigError(f"capacity: {pages:,} pages need {pages * _ID_BYTES:,} bytes of page "
-                          f"ids; this machine has {ram:,} bytes")
+                          f"ids; this process may use {ram:,} bytes (RAM, or its cgroup's limit)")
     return tokens
 
 

@@ -188,7 +188,7 @@ def test_bench_serve_refuses_blocks_larger_than_the_traces(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(("capacity", "why"), [
     ("0", "less than one page"), ("15", "less than one page"),
-    ("99999999999999999999999", "this machine has"),
+    ("99999999999999999999999", "this process may use"),
 ])
 def test_bench_tree_refuses_a_capacity_it_cannot_hold(tmp_path: Path, capacity: str,
                                                       why: str) -> None:

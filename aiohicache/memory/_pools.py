@@ -223,9 +223,10 @@ def _check_fits(field: str, num_pages: int, page_size: int, spec: KVSpec,
                 device: torch.device) -> None:
     """Refuse, naming `field`, a pool the machine certainly cannot hold, before allocating.
 
-    Certainly: host RAM is compared with the machine's physical memory (KV of CPU pools plus
-    the allocator's page ids), GPU memory with what is free on the device plus what torch's
-    caching allocator holds unused. Sizes that pass may still fail (other pools, other
+    Certainly: host RAM (KV of CPU pools plus the allocator's page ids) is compared with the
+    machine's physical memory, or the process's cgroup memory limit where that is less; GPU
+    memory with what is free on the device plus what torch's caching allocator holds
+    unused. Sizes that pass may still fail (other pools, other
     processes); sizes that fail would otherwise be numpy's or torch's MemoryError.
 
     Raises:
@@ -237,7 +238,8 @@ def _check_fits(field: str, num_pages: int, page_size: int, spec: KVSpec,
     ram = _physical_memory()
     if ram is not None and host_bytes > ram:
         raise ConfigError(f"{field}: {num_pages:,} pages need {host_bytes:,} bytes of host "
-                          f"memory; this machine has {ram:,} bytes")
+                          f"memory; this process may use {ram:,} bytes (RAM, or its "
+                          f"cgroup's limit)")
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
             - torch.cuda.memory_allocated(device)
@@ -247,11 +249,52 @@ def _check_fits(field: str, num_pages: int, page_size: int, spec: KVSpec,
 
 
 def _physical_memory() -> int | None:
-    """Bytes of RAM in this machine, or None where the platform does not say."""
+    """Bytes of RAM this process may use: the machine's, or its cgroup's memory limit where
+    that is less (a container); None where the platform says neither.
+
+    NOTE: in a container the machine's RAM is not what the process gets: a pool under it
+    but over the cgroup's limit passed the check and then had the process OOM-killed.
+    """
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        ram: int | None = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, OSError, ValueError):  # no sysconf (Windows), or no such name
-        return None
+        ram = None
+    limits = [n for n in (ram, _cgroup_limit()) if n is not None]
+    return min(limits) if limits else None
+
+
+_CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def _cgroup_limit(root: str = _CGROUP_ROOT, own: str = "/proc/self/cgroup") -> int | None:
+    """The memory limit of this process's cgroup (v2 ``memory.max`` or v1
+    ``memory.limit_in_bytes``), None if it has none or the files are not there."""
+    candidates = []
+    for line in _read(own).splitlines():
+        _, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if controllers == "":  # v2: "0::/path"
+            candidates.append(os.path.join(root, path.lstrip("/"), "memory.max"))
+        elif "memory" in controllers.split(","):  # v1: "4:memory:/path"
+            candidates.append(os.path.join(root, "memory", path.lstrip("/"),
+                                           "memory.limit_in_bytes"))
+    candidates += [os.path.join(root, "memory.max"),
+                   os.path.join(root, "memory", "memory.limit_in_bytes")]
+    limits = [int(text) for text in map(str.strip, map(_read, candidates))
+              if text.isascii() and text.isdigit() and int(text) < _NO_LIMIT]
+    return min(limits) if limits else None
+
+
+_NO_LIMIT = 1 << 62
+"""cgroup v1 writes "no limit" as a page-rounded 2**63 - 1; v2 as ``max``."""
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 @functools.cache

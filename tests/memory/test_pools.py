@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +17,8 @@ SPEC = KVSpec.mha(num_layers=2, num_kv_heads=1, head_dim=16, dtype="fp16")
 
 def test_a_device_pool_larger_than_memory_names_device_pages() -> None:
     with pytest.raises(ConfigError, match=r"^device_pages: 1,000,000,000,000,000 pages need "
-                                          r"[0-9,]+ bytes of host memory; this machine has "
-                                          r"[0-9,]+ bytes$"):
+                                          r"[0-9,]+ bytes of host memory; this process may use "
+                                          r"[0-9,]+ bytes \(RAM, or its cgroup's limit\)$"):
         DevicePool(SPEC, num_pages=10**15, page_size=16)
 
 
@@ -106,3 +107,37 @@ def test_slots_to_pages_accepts_only_whole_pages_in_order(page_size: int) -> Non
     for wrong in bad:
         with pytest.raises(ConfigError, match="^slots:"):
             pool.slots_to_pages(wrong)
+
+
+def test_a_cgroup_memory_limit_bounds_what_a_pool_may_take(tmp_path: Path) -> None:
+    """In a container the process gets its cgroup's memory limit, not the machine's RAM: a
+    pool between the two passed the check and then had the process OOM-killed. cgroup v2
+    (``memory.max``, "max" for none) and v1 (``memory.limit_in_bytes``, a huge number for
+    none) are both read, at the process's own cgroup path."""
+    from aiohicache.memory._pools import _cgroup_limit
+    own = tmp_path / "cgroup"
+    v2 = tmp_path / "fs" / "kubepods" / "pod1"
+    v2.mkdir(parents=True)
+    (v2 / "memory.max").write_text("2147483648\n")
+    own.write_text("0::/kubepods/pod1\n")
+    assert _cgroup_limit(str(tmp_path / "fs"), str(own)) == 2 << 30
+    (v2 / "memory.max").write_text("max\n")
+    assert _cgroup_limit(str(tmp_path / "fs"), str(own)) is None
+    v1 = tmp_path / "fs" / "memory" / "docker" / "abc"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("1073741824\n")
+    own.write_text("5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/kubepods/pod1\n")
+    assert _cgroup_limit(str(tmp_path / "fs"), str(own)) == 1 << 30
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "none"
+    assert _cgroup_limit(str(tmp_path / "fs"), str(own)) is None
+    assert _cgroup_limit(str(tmp_path / "none"), str(tmp_path / "missing")) is None
+
+
+def test_a_pool_over_the_cgroup_limit_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host pool that fits the machine but not the container is a `ConfigError` naming
+    the field, before anything is allocated."""
+    from aiohicache.memory import _pools
+    monkeypatch.setattr(_pools, "_cgroup_limit", lambda: 1 << 20)  # a 1 MiB container
+    with pytest.raises(ConfigError, match=r"^device_pages: .* this process may use "
+                                          r"1,048,576 bytes"):
+        DevicePool(SPEC, num_pages=4096, page_size=16)
