@@ -234,3 +234,18 @@ async def test_a_server_fault_is_a_500_not_a_client_error(monkeypatch: pytest.Mo
         status, got = await raw_post(session, url, json.dumps({"prompt": "x", "max_tokens": 1}))
     assert bad_prompt == 400
     assert status == 500 and "kv:" in got["error"]["message"]
+
+
+async def test_the_hit_by_tier_sums_to_the_cached_tokens() -> None:
+    """`cached_tiers` splits `cached_tokens` (prompt tokens not computed) by tier, and the
+    server's hit counters add it up. A prompt found whole still computes its last token
+    (its logits): the tiers said 64 where `cached_tokens` said 63."""
+    prompt = prompt_of(64, 3)  # four whole pages: found whole the second time
+    async with engine() as eng:
+        for _ in range(2):
+            usage = Usage(len(prompt))
+            async for _ in eng.generate(prompt, SamplingParams(max_tokens=1), usage):
+                pass
+        assert usage.cached_tokens == 63
+        assert sum(usage.tiers.values()) == usage.cached_tokens
+        assert eng.metrics.hit_tokens["L1"] == 63

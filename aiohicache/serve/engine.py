@@ -144,7 +144,8 @@ class Usage:
     cached_tokens: int = 0
     """Prompt tokens whose KV was not computed."""
     tiers: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-    """Cached prompt tokens by the tier they were found in (L1 device, L2 host, L3 storage)."""
+    """`cached_tokens` by the tier they were found in (L1 device, L2 host, L3 storage): they
+    sum to `cached_tokens`."""
     ttft: float = 0.0
     """Seconds from the request to its first token."""
 
@@ -334,9 +335,9 @@ class Engine:
                 self.metrics.uncached_fallbacks += 1
                 out = None
             if out is not None:
-                usage.tiers = {"L1": hit.num_device_hit_tokens, "L2": hit.num_host_hit_tokens,
-                               "L3": hit.num_storage_hit_tokens}
                 usage.cached_tokens = out.num_reused_tokens
+                usage.tiers = _by_tier(out.num_reused_tokens, hit.num_device_hit_tokens,
+                                       hit.num_host_hit_tokens, hit.num_storage_hit_tokens)
                 fed = list(prompt)
                 tokens = self._decode(out.logits[0, -1], out.past_key_values, params, fed)
                 async with contextlib.aclosing(tokens):
@@ -396,6 +397,21 @@ class Engine:
         logits = await finish_then_cancel(
             run_in_thread(self._executor, forward, self.model, tokens, past))
         return logits[0, -1]
+
+
+def _by_tier(reused: int, *found: int) -> dict[str, int]:
+    """The `reused` prompt tokens by the tier they came from, given the tokens `found` in
+    L1, L2, L3 (in prefix order).
+
+    NOTE: what was found, cut to what was reused: a prompt found whole still computes its
+    last token (the logits come from it), and the tiers summed to one more than
+    `cached_tokens` (the last token's tier was counted as a hit it was not).
+    """
+    out = {}
+    for tier, n in zip(TIERS, found, strict=True):
+        out[tier] = min(n, reused)
+        reused -= out[tier]
+    return out
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
