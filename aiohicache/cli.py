@@ -232,6 +232,8 @@ def _tree_capacity(capacity: str, page_size: int) -> int:
               help="Forward passes that run at once.")
 @click.option("--max-running", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests generating at once; more wait before touching the cache.")
+@click.option("--max-waiting", type=click.IntRange(min=0), default=1024, show_default=True,
+              help="Requests that may wait for a turn; one more gets a 503 (Retry-After).")
 @click.option("--torch-threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="torch's intra-op threads (the CPU copy engine sets 1 process-wide anyway).")
 @click.option("--seed", type=int, default=0, show_default=True,
@@ -241,7 +243,7 @@ def _tree_capacity(capacity: str, page_size: int) -> int:
                                       "or SIGTERM before they are cancelled.")
 @loop_option
 def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int, l2: int,
-          l3: str, no_cache: bool, compute_threads: int, max_running: int,
+          l3: str, no_cache: bool, compute_threads: int, max_running: int, max_waiting: int,
           torch_threads: int, seed: int, shutdown_timeout: float, loop: str) -> None:
     """OpenAI-compatible completions server: an HF model generating through the cache.
 
@@ -257,7 +259,7 @@ def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int,
             config = EngineConfig(page_size=page_size, device_tokens=l1, host_tokens=l2,
                                   storage=storage, use_cache=not no_cache,
                                   compute_threads=compute_threads, max_running=max_running,
-                                  torch_threads=torch_threads)
+                                  max_waiting=max_waiting, torch_threads=torch_threads)
         except ConfigError as exc:  # the tiers: named by their flags
             flag = {"device_tokens": "--l1", "host_tokens": "--l2"}
             field_name, _, why = str(exc).partition(": ")

@@ -3,6 +3,7 @@ cache fails, and requests the server cannot honour (tiny model, real HTTP)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, ClassVar
@@ -249,3 +250,40 @@ async def test_the_hit_by_tier_sums_to_the_cached_tokens() -> None:
         assert usage.cached_tokens == 63
         assert sum(usage.tiers.values()) == usage.cached_tokens
         assert eng.metrics.hit_tokens["L1"] == 63
+
+
+async def test_past_max_waiting_a_request_is_refused_at_once_with_a_503() -> None:
+    """Requests beyond `max_running` wait for a turn; beyond `max_waiting` of those, one more
+    gets a 503 with Retry-After at once (counted), instead of a queue without bound. The
+    waiting ones are served when turns free up."""
+    async with engine(max_running=1, max_waiting=1) as eng, running_server(eng) as url, \
+            aiohttp.ClientSession() as session:
+        gate = asyncio.Event()
+        real = eng._admitted
+
+        async def held(*args: Any) -> AsyncIterator[int]:
+            await gate.wait()  # the running request holds its turn until the test says
+            async for token in real(*args):
+                yield token
+
+        eng._admitted = held  # type: ignore[method-assign]
+        body = json.dumps({"prompt": "x", "max_tokens": 1})
+        running = asyncio.create_task(raw_post(session, url, body))
+        waiting = asyncio.create_task(raw_post(session, url, body))
+        while eng.metrics.waiting < 1:  # noqa: ASYNC110 - polled: the engine has no event
+            await asyncio.sleep(0.01)
+        async with session.post(f"{url}/v1/completions", data=body,
+                                headers={"Content-Type": "application/json"}) as resp:
+            status, retry, got = resp.status, resp.headers.get("Retry-After"), await resp.json()
+        metrics = await (await session.get(f"{url}/metrics")).text()
+        gate.set()
+        assert [s for s, _ in await asyncio.gather(running, waiting)] == [200, 200]
+    assert (status, retry, got["error"]["type"]) == (503, "1", "server_busy")
+    assert "aiohicache_busy_rejections_total 1" in metrics
+    assert "aiohicache_requests_waiting 1" in metrics
+    assert eng.metrics.waiting == 0
+
+
+def test_max_waiting_is_checked() -> None:
+    with pytest.raises(ConfigError, match="max_waiting"):
+        EngineConfig(max_waiting=-1)

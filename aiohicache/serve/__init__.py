@@ -12,6 +12,7 @@ from .app import ListenError, build_app, running_server, serve
 from .engine import (
     ByteTokenizer,
     Engine,
+    EngineBusy,
     EngineConfig,
     Metrics,
     PromptError,
@@ -21,6 +22,6 @@ from .engine import (
 )
 from .model import load_model
 
-__all__ = ("ByteTokenizer", "Engine", "EngineConfig", "ListenError", "Metrics", "PromptError",
-           "SamplingParams", "Usage", "build_app", "cache_config", "load_model", "running_server",
-           "serve")
+__all__ = ("ByteTokenizer", "Engine", "EngineBusy", "EngineConfig", "ListenError", "Metrics",
+           "PromptError", "SamplingParams", "Usage", "build_app", "cache_config", "load_model",
+           "running_server", "serve")

@@ -26,7 +26,7 @@ from aiohttp import web
 from .. import ConfigError, HiCacheError
 from .._concurrency import finish_then_cancel
 from .._validate import check_int, check_number
-from .engine import Engine, PromptError, SamplingParams, Tokenizer, Usage
+from .engine import Engine, EngineBusy, PromptError, SamplingParams, Tokenizer, Usage
 
 __all__ = ("ListenError", "build_app", "running_server", "serve")
 
@@ -219,6 +219,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
             first = await anext(tokens)  # errors before any output are a clean HTTP error
         except PromptError as exc:
             return _error(400, str(exc))
+        except EngineBusy as exc:
+            response = _error(503, f"server busy: {exc}", "server_busy")
+            response.headers["Retry-After"] = "1"
+            return response
         except ConfigError as exc:  # NOTE: the server's set-up, not the request: was a 400
             log.error("completion failed: %s", exc)
             return _error(500, f"server misconfigured: {exc}", "server_error")

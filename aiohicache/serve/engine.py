@@ -40,8 +40,8 @@ from .._validate import check_int, check_number
 from ..hf import HFAdapter, Prefill, forward, kv_spec
 from ..metrics import render as render_cache_metrics
 
-__all__ = ("ByteTokenizer", "Engine", "EngineConfig", "Metrics", "PromptError", "SamplingParams",
-           "Tokenizer", "Usage", "cache_config")
+__all__ = ("ByteTokenizer", "Engine", "EngineBusy", "EngineConfig", "Metrics", "PromptError",
+           "SamplingParams", "Tokenizer", "Usage", "cache_config")
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,9 @@ class EngineConfig:
     max_running: int = 8
     """Requests generating at once (a batch): past it, requests wait their turn before they
     touch the cache, so waiting requests pin no device pages."""
+    max_waiting: int | None = 1024
+    """Requests that may wait for a turn; one more is refused at once (`EngineBusy`, HTTP
+    503 with ``Retry-After``) rather than queued for ever. None: no bound."""
     namespace: str | None = None
     """The cache's namespace (part of every L3 key); None: `weights_namespace` of the
     model, so servers of one model share L3 pages and other models (or other weights of
@@ -111,12 +114,18 @@ class EngineConfig:
                               f"({self.page_size} tokens); 0 for no L2")
         check_int("compute_threads", self.compute_threads, low=1)
         check_int("max_running", self.max_running, low=1)
+        if self.max_waiting is not None:
+            check_int("max_waiting", self.max_waiting, low=0)
         if self.torch_threads is not None:  # else torch's RuntimeError when the engine opens
             check_int("torch_threads", self.torch_threads, low=1)
 
 
 class PromptError(ConfigError):
     """A prompt the model cannot take (the client's fault: HTTP 400)."""
+
+
+class EngineBusy(Exception):
+    """`EngineConfig.max_waiting` requests already wait for a turn: try again later."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +173,10 @@ class Metrics:
     generated_tokens: int = 0
     uncached_fallbacks: int = 0
     """Requests computed without the cache: the device pool had no room for them."""
+    busy_rejections: int = 0
+    """Requests refused because `EngineConfig.max_waiting` others waited (`EngineBusy`)."""
+    waiting: int = 0
+    """Requests waiting for a turn now."""
     hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(_TTFT_BUCKETS))
     ttft_sum: float = 0.0
@@ -193,6 +206,10 @@ class Metrics:
             f"aiohicache_generated_tokens_total {self.generated_tokens}",
             "# TYPE aiohicache_uncached_fallbacks_total counter",
             f"aiohicache_uncached_fallbacks_total {self.uncached_fallbacks}",
+            "# TYPE aiohicache_requests_waiting gauge",
+            f"aiohicache_requests_waiting {self.waiting}",
+            "# TYPE aiohicache_busy_rejections_total counter",
+            f"aiohicache_busy_rejections_total {self.busy_rejections}",
             "# TYPE aiohicache_server_hit_tokens_total counter",
             *(f'aiohicache_server_hit_tokens_total{{tier="{t}"}} {n}'
               for t, n in self.hit_tokens.items()),
@@ -278,20 +295,39 @@ class Engine:
             PromptError: the prompt is empty, too long for the model or holds ids outside
                 its vocabulary (the request's fault; any other `ConfigError` is the server's,
                 e.g. a model whose KV does not fit its spec).
+            EngineBusy: `EngineConfig.max_waiting` requests already wait for a turn.
 
         Cancellation (or the consumer closing the generator): the forward pass in flight
         finishes on its thread, the cache context exits; nothing leaks.
         """
         self._check(prompt, params)
+        self._check_room()
         start = time.perf_counter()
         self.metrics.requests += 1
         # NOTE: every generator nested here is closed by `aclosing`: `async for` does not close
         # the one it iterates, so closing this one between tokens would leave the inner ones
         # (and the cache context) to the loop's finalizer, in a task nobody awaits.
         tokens = self._admitted(prompt, params, usage, start)
-        async with self._admission, contextlib.aclosing(tokens):
-            async for token in tokens:
-                yield token
+        waits = self._admission.value == 0  # NOTE: acquire yields even when it need not wait
+        self.metrics.waiting += waits
+        try:
+            await self._admission.acquire()
+        finally:
+            self.metrics.waiting -= waits
+        try:
+            async with contextlib.aclosing(tokens):
+                async for token in tokens:
+                    yield token
+        finally:
+            self._admission.release()
+
+    def _check_room(self) -> None:
+        """Refuse a request that would wait behind `max_waiting` others (`EngineBusy`)."""
+        bound = self.config.max_waiting
+        if bound is not None and self._admission.value == 0 and self.metrics.waiting >= bound:
+            self.metrics.busy_rejections += 1
+            raise EngineBusy(f"{self.metrics.waiting} requests already wait for one of "
+                             f"{self.config.max_running} turns (max_waiting {bound})")
 
     async def _admitted(self, prompt: list[int], params: SamplingParams, usage: Usage,
                         start: float) -> AsyncGenerator[int, None]:
