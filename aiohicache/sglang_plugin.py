@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._validate import check_int
+from ._validate import check_int, check_number
 from .errors import ConfigError
 from .storage import BackendStats, PageFormat, StorageBackend, backend_from_url
 
@@ -178,7 +178,8 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         self.url = str(extra.get("storage_url", DEFAULT_URL))
         self.options = dict(extra.get("storage_options") or {})
-        self.timeout_s = float(extra.get("timeout_s", 30.0))
+        self.timeout_s = check_number("timeout_s", extra.get("timeout_s", 30.0), low=0,
+                                      low_open=True)
         self.clear_memory = check_int("clear_memory", extra.get("clear_memory", _CLEAR_MEMORY),
                                       low=0)
         shard = _shard(storage_config)

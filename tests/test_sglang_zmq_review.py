@@ -215,3 +215,11 @@ def test_stopping_the_loop_thread_lets_the_cancelled_calls_clean_up() -> None:
     assert cleaned.is_set()
     assert thread.loop.is_closed()
     assert len(outcome) == 1 and isinstance(outcome[0], concurrent.futures.CancelledError)
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), "soon"])
+def test_a_bad_timeout_is_a_config_error(tmp_path: Path, bad: Any) -> None:
+    """``extra_config["timeout_s"]`` bounds every call SGLang's threads wait on: 0 or less
+    failed every call as a miss, NaN waited for ever; a config error names it."""
+    with pytest.raises(ConfigError, match="timeout_s"):
+        make_backend(f"file://{tmp_path}", extra={"timeout_s": bad})

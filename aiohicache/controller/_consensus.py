@@ -286,7 +286,9 @@ class Consensus:
             raise DivergenceError(
                 f"rank {self.group.rank}: the ranks' configs differ in {', '.join(differ)}: "
                 "every rank of a TP group needs the same page size, capacities, policies and "
-                "storage settings (only tp_rank, device and the storage location may differ)")
+                "storage settings (free to differ: tp_rank, device, the storage location, "
+                "io_backend, transfer_ctas, tp_timeout, tp_tick_interval, "
+                "max_worker_restarts, and host_layout for MHA; docs/tensor-parallel.md)")
         low = agreed[L.DIGEST:L.DIGEST + L.DIGEST_LEN]
         high = -agreed[L.NEG_DIGEST:L.NEG_DIGEST + L.DIGEST_LEN]
         if not np.array_equal(low, high):
