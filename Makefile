@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
+# Where torch comes from: empty takes pip's configured index; on stock PyPI a Linux torch is
+# the CUDA build (GBs): TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu".
+TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed
 NATIVE := $(VENV)/.native
 
@@ -11,7 +14,7 @@ NATIVE := $(VENV)/.native
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q $(TORCH_INDEX) "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev,cuda,serve,metrics]"
 	touch $(STAMP) $(NATIVE)
 
