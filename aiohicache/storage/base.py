@@ -184,8 +184,8 @@ class BackendStats:
     used_bytes: int | None = field(default=None, compare=False)
     """Bytes the store holds now (Redis: ``used_memory``), or None: not known.
 
-    NOTE: these two are levels, not counters: they are left out of ``==``, so stats compare
-    by what the backend did.
+    NOTE: these two are levels, not counters: they are left out of ``==``. `extra` is not,
+    and some backends repeat the levels there (``used_bytes``, ``max_bytes``, ``objects``).
     """
 
 
