@@ -15,6 +15,7 @@ await of the copies it planned.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import warnings
 from collections.abc import Awaitable, Callable
@@ -326,7 +327,12 @@ class HiCache:
 
     def stats(self) -> CacheStats:
         """A snapshot of hit, transfer, eviction and occupancy counters."""
-        return snapshot(self._core)
+        stats = snapshot(self._core)
+        if self._core.state == "open" and self._workers_gone():
+            # NOTE: the opening loop ended without aclose: nothing can be served any more
+            # (every call is a LoopError), yet health read "ok" to a monitor
+            stats = dataclasses.replace(stats, health="failed")
+        return stats
 
     def events(self, *, max_batches: int = 1024, snapshot: bool = False) -> EventStream:
         """Subscribe to KV events: an async iterator of `EventBatch` (see `aiohicache.events`).

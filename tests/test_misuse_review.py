@@ -209,3 +209,19 @@ async def test_a_context_entered_by_hand_and_dropped_warns_and_releases() -> Non
         await asyncio.sleep(0)  # released on the loop's next turn
         _assert_clean(cache)
         await _prefill(cache, kv, make_tokens(4 * PS, seed=7))  # the whole device again
+
+
+def test_health_is_failed_once_the_opening_loop_ended_without_closing() -> None:
+    """asyncio.run returned with the cache open: nothing can be served any more (every call
+    is a `LoopError`), so a monitor reading `stats()` from anywhere must see "failed". It
+    read "ok". Closing it from another loop then leaves it closed, not failed."""
+    cache = make_cache()
+
+    async def first() -> None:
+        await cache.__aenter__()
+        await _prefill(cache, KVChecker(cache), make_tokens(2 * PS, seed=2))
+        assert cache.stats().health == "ok"
+    asyncio.run(first())
+    assert cache.stats().health == "failed"
+    asyncio.run(asyncio.wait_for(cache.aclose(), 10))
+    assert cache._state == "closed"
