@@ -229,7 +229,7 @@ class Request:
             if keys is not None else None
         # Insert before the leases end: if it raises, the pages are still leased, not lost.
         res = core.tree.insert(toks[:num_full * ps], all_pages, start_page=len(self.pages),
-                               hashes=hashes)
+                               hashes=hashes, under=core.pins.node(self.owner))
         if core.storage is not None:  # a host-only node taking our pages counted a hit too
             core.storage.on_hits(res.new_nodes)
         core.leases.release(pages[:new_full], free=False)
@@ -254,16 +254,29 @@ class Request:
         return Plan(None, [write])
 
     def _keep_tail(self, toks: Tokens, tail: PageIds) -> None:
-        """The partial tail page stays leased, now to this context, so decoding goes on."""
-        self.tail = None
-        if not len(tail):
-            return
-        leases = self.core.leases
-        adopted = tail[leases.owner[tail] != self.owner]
-        leases.owner[adopted] = self.owner
-        if len(adopted):
-            self.leases.append(adopted)
-        self.tail = (int(tail[0]), len(toks) % self.core.config.page_size)
+        """The partial tail page stays leased, now to this context, so decoding goes on.
+
+        The next `allocate` continues after the last slot handed out, never before: of this
+        context's own pages, `allocate` handed out every slot but the free rest of its last
+        page (`self.tail`), which a commit of fewer tokens than allocated leaves where it is.
+        NOTE: set from the commit alone, a chunk's commit moved it back, and the next
+        allocate handed out the slots of the chunk's uncommitted tokens again.
+        """
+        ps, leases = self.core.config.page_size, self.core.leases
+        mark, self.tail = self.tail, None
+        if len(tail):
+            adopted = tail[leases.owner[tail] != self.owner]
+            leases.owner[adopted] = self.owner
+            if len(adopted):
+                self.leases.append(adopted)
+            page, used = int(tail[0]), len(toks) % ps
+            if not len(adopted):  # our own page: handed out whole unless it is the mark's
+                used = max(used, mark[1]) if mark is not None and mark[0] == page else ps
+            if used < ps:
+                self.tail = (page, used)
+                return
+        if mark is not None and leases.owner[mark[0]] == self.owner:
+            self.tail = mark  # the last page allocate handed out is still ours, uncommitted
 
     def _path(self) -> list[Node]:
         """The pinned prefix's nodes, root first."""
