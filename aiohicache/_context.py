@@ -29,8 +29,9 @@ async def lease(core: Core, num_tokens: int, owner: int, *,
     if num_pages > core.tree.device_alloc.capacity:
         raise CapacityError(f"asked for {num_pages} device pages; the pool has "
                             f"{core.tree.device_alloc.capacity}")
+    last_used = num_tokens - (num_pages - 1) * core.config.page_size
     pages: PageIds = await core.run().call(
-        lambda op: alloc_op(core, num_pages, owner) if request is None
+        lambda op: alloc_op(core, num_pages, owner, last_used=last_used) if request is None
         else request.lease_op(num_pages),
         undo=lambda got: core.leases.release_owned(got, owner))
     return pages

@@ -59,7 +59,7 @@ class Core:
     """The thread that runs that loop (`threading.get_ident`)."""
 
     def __post_init__(self) -> None:
-        self.leases = Leases(self.device_pool.allocator)
+        self.leases = Leases(self.device_pool.allocator, self.config.page_size)
         self.pins = Pins(self.tree)
 
     def check_loop(self) -> None:

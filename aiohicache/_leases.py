@@ -24,15 +24,24 @@ class Leases:
     A numpy array indexed by page id: checks of a whole batch of pages are vectorised.
     """
 
-    def __init__(self, allocator: PageAllocator) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
         self.allocator = allocator
+        self.page_size = page_size
         self.owner = np.zeros(allocator.capacity, dtype=np.int64)
         self.count = 0
         """Pages leased, all owners."""
+        self.handed = np.zeros(allocator.capacity, dtype=np.int32)
+        """Slots of each leased page handed out to its owner (the last page of a lease for
+        a number of tokens that is not whole pages has fewer)."""
 
-    def lease(self, pages: PageIds, owner: int) -> None:
+    def lease(self, pages: PageIds, owner: int, *, last_used: int | None = None) -> None:
+        """Lease `pages` to `owner`, every slot handed out but the last page's past
+        `last_used` (None: all of them)."""
         self.owner[pages] = owner
         self.count += len(pages)
+        self.handed[pages] = self.page_size
+        if last_used is not None and len(pages):
+            self.handed[pages[-1]] = last_used
 
     def check(self, pages: PageIds, *, freeing: bool = False) -> None:
         """Raise `PageError` unless every page is leased, once (with `freeing`: by a free

@@ -32,9 +32,11 @@ if TYPE_CHECKING:
 __all__ = ("Request", "alloc_op")
 
 
-def alloc_op(core: Core, num_pages: int, owner: int) -> Plan[PageIds]:
-    """Lease `num_pages` device pages to `owner`, evicting as needed; AGAIN while copies in
-    flight may still free some (write-backs in progress free their pages when they settle)."""
+def alloc_op(core: Core, num_pages: int, owner: int, *,
+             last_used: int | None = None) -> Plan[PageIds]:
+    """Lease `num_pages` device pages to `owner`, evicting as needed (`last_used`: slots of
+    the last page handed out, as `Leases.lease`); AGAIN while copies in flight may still
+    free some (write-backs in progress free their pages when they settle)."""
     ctl = core.check_op()
     pages = ctl.alloc_device(num_pages)
     if pages is None:
@@ -43,7 +45,7 @@ def alloc_op(core: Core, num_pages: int, owner: int) -> Plan[PageIds]:
         raise CapacityError(f"cannot allocate {num_pages} device pages: "
                             f"{core.tree.device_alloc.num_free} free and the rest pinned or "
                             "in flight")
-    core.leases.lease(pages, owner)
+    core.leases.lease(pages, owner, last_used=last_used)
     return Plan(pages)
 
 
@@ -270,7 +272,9 @@ class Request:
             if len(adopted):
                 self.leases.append(adopted)
             page, used = int(tail[0]), len(toks) % ps
-            if not len(adopted):  # our own page: handed out whole unless it is the mark's
+            if len(adopted):  # from `HiCache.allocate`: its slots handed out, all but a rest
+                used = max(used, int(leases.handed[page]))
+            else:  # our own page: handed out whole unless it is the mark's
                 used = max(used, mark[1]) if mark is not None and mark[0] == page else ps
             if used < ps:
                 self.tail = (page, used)

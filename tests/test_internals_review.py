@@ -97,3 +97,33 @@ async def test_a_decode_commit_does_not_walk_the_prefix_it_already_holds() -> No
             assert max(steps[2:]) <= 1, f"steps per commit: {steps[1:]}"
             await kv.check_hit(hit, tokens[:64 * PS])
         cache.check_invariants()
+
+
+async def test_a_page_from_cache_allocate_is_continued_after_its_last_slot_handed_out() -> None:
+    """Slots leased by `HiCache.allocate` and committed in part: the context adopts the
+    committed tail page, and its next `allocate` continues that page only after the last
+    slot `HiCache.allocate` handed out. It continued after the committed tokens, handing
+    out slots the caller still held (tokens 6 and 7 here) for new tokens."""
+    cache = make_cache()
+    async with cache:
+        kv = KVOracle(cache)
+        prompt = make_tokens(10, seed=11)
+        async with cache.fetch(prompt) as hit:
+            slots = await cache.allocate(10)
+            kv.fill(slots, prompt)
+            await hit.commit(prompt[:6], slots[:6])
+            more = await hit.allocate(2)
+            held = set(slots[6:].tolist()) & set(more.tolist())
+            assert not held, f"slots {sorted(held)} handed out again while still held"
+            cache.free(slots[8:])  # the caller gives back the page it will not use
+        cache.check_invariants()
+        assert cache.stats().device_pages_leased == 0
+        # the usual case still continues in place: allocate the prompt, commit all of it
+        prompt = make_tokens(6, seed=12)
+        async with cache.fetch(prompt) as hit:
+            slots = await cache.allocate(6)
+            kv.fill(slots, prompt)
+            await hit.commit(prompt, slots)
+            more = await hit.allocate(1)
+            assert more.tolist() == [int(slots[5]) + 1]
+        cache.check_invariants()
