@@ -17,7 +17,8 @@ from .._validate import check_int, check_number
 from ..errors import ConfigError
 from .base import HEADER_SIZE, PageFormat, decode_page, encode_header
 
-__all__ = ("CLUSTER_SCHEMES", "SCHEMES", "Blob", "check_query", "check_settings", "client",
+__all__ = ("CLUSTER_SCHEMES", "SCHEMES", "Blob", "check_options", "check_query", "check_settings",
+           "client",
            "copy_payloads", "encode_objects", "leading_true", "redact", "verify")
 
 SCHEMES: Final = ("redis", "rediss", "unix")
@@ -85,11 +86,22 @@ def client(url: str, safe_url: str, *, socket_timeout: float, connect_timeout: f
     if parts.scheme != "unix" and db and not db.isdigit():  # redis-py would ignore it
         raise ConfigError(f"url {safe_url!r}: the path must be a database number")
     check_query(parts.query, safe_url)
+    pool = _pool(url, safe_url, max_connections=max_connections, timeout=None,
+                 socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
+                 retry=Retry(NoBackoff(), retries))
+    return Redis.from_pool(pool)
+
+
+def check_options(url: str, safe_url: str) -> None:
+    """Raise `ConfigError` for a query option of a one-server URL that redis-py (or the
+    backend) refuses, connecting nowhere: what `client` would raise for it."""
+    check_query(urlsplit(url).query, safe_url)
+    _pool(url, safe_url)
+
+
+def _pool(url: str, safe_url: str, **kwargs: object) -> BlockingConnectionPool:
     try:
-        pool = BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=None,
-            socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
-            retry=Retry(NoBackoff(), retries))
+        pool = BlockingConnectionPool.from_url(url, **kwargs)
     except ValueError as exc:
         raise ConfigError(f"url {safe_url!r}: {safe_reason(url, exc)}") from None
     try:  # NOTE: a connection object connects only when used: this checks the options now
@@ -97,7 +109,7 @@ def client(url: str, safe_url: str, *, socket_timeout: float, connect_timeout: f
     except TypeError as exc:  # an unknown query option: it failed at the first call
         raise ConfigError(f"url {safe_url!r}: an option redis-py does not take "
                           f"({safe_reason(url, exc)})") from None
-    return Redis.from_pool(pool)
+    return pool
 
 
 _REFUSED_OPTIONS: Final = {

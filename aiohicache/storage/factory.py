@@ -237,6 +237,21 @@ def _check_redis(url: str) -> None:
                           f"is a database number (an int >= 0), as in 'redis://host:port/0'")
     if parts.fragment:
         raise ConfigError(f"storage: redis URL {shown!r} takes no fragment ('#...')")
+    if parts.query:
+        _check_redis_options(url, shown)
+
+
+def _check_redis_options(url: str, shown: str) -> None:
+    """The query options as redis-py reads them (else a bad one failed only when the store
+    was built: after a server had loaded its model)."""
+    try:
+        parts = importlib.import_module("aiohicache.storage._redis_parts")
+    except ModuleNotFoundError:  # no redis-py: building the backend says so
+        return
+    try:
+        parts.check_options(url, shown)
+    except ConfigError as exc:
+        raise ConfigError(f"storage: {exc}") from None
 
 
 def _check_cluster(url: str) -> None:

@@ -122,3 +122,16 @@ def test_redis_urls_without_the_redis_module_say_so(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "aiohicache.storage.redis", None)
     with pytest.raises(ConfigError, match="storage: redis URLs need"):
         backend_from_url("redis://localhost", FMT)
+
+
+@pytest.mark.parametrize("query, named", [
+    ("socket_timeout=abc", "socket_timeout"), ("bogus=1", "bogus"),
+    ("decode_responses=1", "decode_responses")])
+def test_check_url_refuses_a_redis_option_redis_py_refuses(query: str, named: str) -> None:
+    """`check_url` (what a command line runs before loading anything) refuses the query
+    options building the backend would: they passed it, and `aiohicache serve --l3` failed
+    only after its model had loaded."""
+    from aiohicache.storage import check_url
+    with pytest.raises(ConfigError, match=f"storage: .*{named}"):
+        check_url(f"redis://127.0.0.1:1/0?{query}")
+    check_url("redis://127.0.0.1:1/0?socket_timeout=2&health_check_interval=3")
