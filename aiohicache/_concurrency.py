@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Executor, Future
 from typing import Any, Generic, TypeVar
@@ -65,20 +66,29 @@ class LoopBridge:
     own included. Quiet once the loop is gone: an abandoned loop has nobody left to tell.
     """
 
-    __slots__ = ("_call",)
+    __slots__ = ("_call", "_local", "_thread")
 
     def __init__(self) -> None:
         self._call: Callable[..., object]
+        self._local: Callable[..., object]
         if _on_asyncio():
-            self._call = asyncio.get_running_loop().call_soon_threadsafe
+            loop = asyncio.get_running_loop()
+            self._call, self._local = loop.call_soon_threadsafe, loop.call_soon
         else:
             import trio  # only reached under trio, so trio is installed
 
-            self._call = trio.lowlevel.current_trio_token().run_sync_soon
+            self._call = self._local = trio.lowlevel.current_trio_token().run_sync_soon
+        self._thread = threading.get_ident()
 
     def call_soon(self, fn: Callable[..., object], *args: object) -> None:
+        # NOTE: from the loop's own thread (an inline copy finishing, a done callback) the
+        # loop needs no wake-up: `call_soon_threadsafe` wrote to its self-pipe each time, a
+        # write and a read syscall per finished copy. Same queue, same order.
         try:
-            self._call(fn, *args)
+            if threading.get_ident() == self._thread:
+                self._local(fn, *args)
+            else:
+                self._call(fn, *args)
         except RuntimeError:  # asyncio: loop closed; trio: RunFinishedError
             log.debug("event loop closed before a thread's completion arrived")
 

@@ -42,7 +42,9 @@ class TransferHandle:
         self.nbytes = nbytes
         self._layers_done = 0
         self._waiters: dict[int, anyio.Event] = {}
-        self._done = Promise[None]()  # its event is made only if someone waits
+        # NOTE: not `Promise[None]()`: calling a subscripted generic goes through typing's
+        # alias call (it sets `__orig_class__`), half of this constructor's time
+        self._done: Promise[None] = Promise()  # its event is made only if someone waits
         self._error: TransferError | None = None
         self._callbacks: list[Callable[[TransferHandle], None]] = []
         self._events: Sequence[object] | None = None  # set by engines that record CUDA events

@@ -67,6 +67,9 @@ class CpuTransferEngine:
         waking the loop back): the full-trace replay ran 654-718 requests/s at 1 MiB,
         523-609 at 128 KiB and 443-485 with every copy on the thread (docs/performance.md)."""
         self.host_pool = host_pool
+        # NOTE: once: `TransferHandle.for_pages` walks the spec's properties at every copy
+        self._num_layers = device_pool.spec.num_layers
+        self._page_bytes = device_pool.page_size * device_pool.spec.bytes_per_token
         # Views are built once: per-copy Python work on the copy threads holds the GIL
         # that the event loop needs.
         self._device_words = word_views(device_pool)
@@ -101,7 +104,7 @@ class CpuTransferEngine:
             raise ClosedError("transfer engine is closed")
         src, dst = check_copy(self.device_pool.num_pages, self.host_pool.num_pages, src, dst,
                               to_device=to_device)
-        handle = TransferHandle.for_pages(self.device_pool, len(src))
+        handle = TransferHandle(num_layers=self._num_layers, nbytes=len(src) * self._page_bytes)
         if handle.nbytes <= self.inline_bytes and stream.pending == 0:
             # idle stream: order is kept
             self._layers(src, dst, to_device)(0, self.device_pool.spec.num_layers, False)

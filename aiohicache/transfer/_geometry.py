@@ -195,8 +195,9 @@ def check_page_ids(src: PageIds, dst: PageIds, *, src_pages: int, dst_pages: int
         raise PageError(f"page ids: need two 1-D arrays of one length, got shapes "
                         f"{src.shape} and {dst.shape}")
     for ids, limit, name in ((src, src_pages, src_name), (dst, dst_pages, dst_name)):
-        if len(ids) and int(ids.max()) >= limit:
-            raise PageError(f"page ids: {int(ids.max())} is past the {name}'s {limit} pages")
+        # (a ufunc reduce: `ndarray.max` goes through numpy's Python wrappers, per copy)
+        if len(ids) and (top := int(np.maximum.reduce(ids))) >= limit:
+            raise PageError(f"page ids: {top} is past the {name}'s {limit} pages")
     return src, dst
 
 
