@@ -61,8 +61,9 @@ class SegmentIndex:
         leaves their keys bound (`repoint` moves them)."""
         self.gone: OrderedDict[int, None] = OrderedDict()
         self.emptied: set[int] = set()
-        """Segments this instance sealed holding a journal and no record: garbage once
-        compacted (another instance's size-0 segment may be its active lane: never tried)."""
+        """Segments this instance sealed holding a journal and no record, and those found
+        so at its start with no lock (their writer closed or died): garbage once compacted
+        (another instance's size-0 segment may be its active lane: never tried)."""
         self._on_drop = on_drop
 
     def __contains__(self, key: str) -> bool:

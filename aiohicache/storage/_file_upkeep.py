@@ -180,6 +180,8 @@ class _FileUpkeep:
             return
         if moved is None:
             self._busy[victim] = time.monotonic()
+        if self._index.emptied:  # NOTE: one a call; no record dies to call for the next
+            self._index.may_compact = True
 
     async def _compact(self, victim: int) -> list[Entry] | None:
         """Move `victim`'s live records to an active segment and remove it; None if another
@@ -326,4 +328,10 @@ def _scan_dir(root: str, index: SegmentIndex) -> tuple[int, int, list[Entry]]:
     if orphans:
         scan = _journal.read_journals(root, {})
     torn = index.load(scan)
+    # NOTE: a lane holding only a journal (a reader's touches, deletes), or nothing, is
+    # garbage once its writer closed or died; only its maker ever compacted one, so those
+    # of closed or killed instances stayed for good, a pair of files and up to a lane's
+    # touches per instance that ever ran (a review). Lock-free now: sealed for good.
+    index.add_emptied([seg_id for seg_id, size in scan.segments.items() if not size and
+                       not _journal.is_locked(_journal.segment_path(root, seg_id))])
     return orphans, torn, index.remove(index.budget.trim(), evicted=True)
