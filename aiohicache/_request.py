@@ -266,6 +266,11 @@ class Request:
         """
         ps, leases = self.core.config.page_size, self.core.leases
         mark, self.tail = self.tail, None
+        if mark is not None and leases.owner[mark[0]] != self.owner:
+            # NOTE: checked before adopting: a page freed since and leased again by
+            # `HiCache.allocate` became ours by the adoption below, and the stale mark
+            # handed out its slots the caller still held
+            mark = None
         if len(tail):
             adopted = tail[leases.owner[tail] != self.owner]
             leases.owner[adopted] = self.owner
@@ -279,7 +284,7 @@ class Request:
             if used < ps:
                 self.tail = (page, used)
                 return
-        if mark is not None and leases.owner[mark[0]] == self.owner:
+        if mark is not None:
             self.tail = mark  # the last page allocate handed out is still ours, uncommitted
 
     def _path(self) -> list[Node]:
