@@ -123,7 +123,7 @@ class ZmqEventPublisher:
                                    check_int("data_parallel_rank", data_parallel_rank, low=0))
         self.replay_timeout_s = check_number("replay_timeout_s", replay_timeout_s, low=0,
                                              low_open=True)
-        self.linger_s = check_number("linger_s", linger_s, low=0)
+        self.linger_s = check_number("linger_s", linger_s, low=0, high=3600)  # ZMQ: int ms
         self._dropped = 0
         """Batches the streams closed so far dropped (a stream is replaced on re-entry)."""
         self.sent = 0

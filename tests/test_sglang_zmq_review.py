@@ -172,8 +172,10 @@ def test_a_batch_that_began_before_close_is_a_miss_not_an_error(tmp_path: Path,
     assert getattr(backend, call)(page_hashes(list(range(4))), indices(range(1))) == [False]
 
 
-@pytest.mark.parametrize("bad", [-1, float("nan"), "1"])
+@pytest.mark.parametrize("bad", [-1, float("nan"), "1", 1e7])
 async def test_a_bad_linger_is_a_config_error(bad: Any) -> None:
+    """A linger past an hour (ZMQ takes an int of milliseconds: past ~2.1e6 s it overflowed
+    at close, after the router was closed, leaking the sockets) is refused too."""
     with pytest.raises(ConfigError, match="linger_s"):
         ZmqEventPublisher(FakeCache(), LOCAL, linger_s=bad)  # type: ignore[arg-type]
 
