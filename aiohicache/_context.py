@@ -206,9 +206,14 @@ class FetchContext:
             pages = await lease(req.core, rest, req.owner, request=req)
         except BaseException:
             if req.tail is None:  # unless another allocate started a page meanwhile
-                req.tail = tail
+                req.tail = tail  # (`take_tail` checks it is still in the lease it names)
             raise
         req.check_active()  # TP: left meanwhile, by another task; its release frees them
+        if head is not None and not req.holds(tail):
+            # NOTE: the page `head` continues was freed while we waited (and may be leased
+            # to anyone now): its rest is not ours to hand out; start afresh
+            req.core.leases.release_owned(pages, req.owner)
+            return await self.allocate(num_tokens)
         req.took_pages(pages, rest)
         slots = pool.pages_to_slots(pages)[:rest]
         return slots if head is None else torch.cat([head.to(slots.device), slots])

@@ -33,15 +33,25 @@ class Leases:
         self.handed = np.zeros(allocator.capacity, dtype=np.int32)
         """Slots of each leased page handed out to its owner (the last page of a lease for
         a number of tokens that is not whole pages has fewer)."""
+        self.serial = np.zeros(allocator.capacity, dtype=np.int64)
+        """The lease each page is in, numbered: a page freed and leased again (to anyone,
+        its old owner too) is in another lease, so a note about the old one is stale."""
+        self._leases_made = 0
 
     def lease(self, pages: PageIds, owner: int, *, last_used: int | None = None) -> None:
         """Lease `pages` to `owner`, every slot handed out but the last page's past
         `last_used` (None: all of them)."""
         self.owner[pages] = owner
         self.count += len(pages)
+        self._leases_made += 1
+        self.serial[pages] = self._leases_made
         self.handed[pages] = self.page_size
         if last_used is not None and len(pages):
             self.handed[pages[-1]] = last_used
+
+    def holds(self, page: int, owner: int, serial: int) -> bool:
+        """Whether `owner` still holds `page` in the lease numbered `serial`."""
+        return bool(self.owner[page] == owner and self.serial[page] == serial)
 
     def check(self, pages: PageIds, *, freeing: bool = False) -> None:
         """Raise `PageError` unless every page is leased, once (with `freeing`: by a free

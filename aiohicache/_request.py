@@ -66,7 +66,8 @@ class Request:
         self.pages: PageIds = np.empty(0, dtype=np.int64)  # device pages of the cached prefix
         self.jobs: list[LoadJob] = []  # loads the cached prefix waits for
         self.leases: list[PageIds] = []
-        self.tail: tuple[int, int] | None = None  # leased page being filled, slots used
+        self.tail: tuple[int, int, int] | None = None
+        """The leased page being filled: (page, slots handed out, its lease's serial)."""
         self.num_device_hit_tokens = self.num_host_hit_tokens = 0
         self.num_storage_hit_tokens = 0
         self._prefetching: PrefetchJob | None = None
@@ -173,19 +174,29 @@ class Request:
 
     # ------------------------------------------------------------------ allocate
 
+    def holds(self, tail: tuple[int, int, int] | None) -> bool:
+        """Whether `tail`'s page is still this context's, in the lease `tail` names.
+
+        NOTE: the owner alone is not enough: a page freed with `HiCache.free` comes back to
+        this context in another lease, every slot handed out, when another `allocate` of it
+        leases the page while one that took the old rest waits; continued at the old mark
+        (given back by the waiting one, cancelled), slots the caller held went out again.
+        """
+        return tail is not None and self.core.leases.holds(tail[0], self.owner, tail[2])
+
     def take_tail(self, num_tokens: int) -> tuple[torch.Tensor | None, int]:
         """Slots from the rest of the partial page this context still leases; tokens left."""
         ps = self.core.config.page_size
-        if self.tail is not None and self.core.leases.owner[self.tail[0]] != self.owner:
+        if not self.holds(self.tail):
             self.tail = None  # the partial page was freed (and maybe re-leased): start afresh
         if self.tail is None:
             return None, num_tokens
-        page, used = self.tail
+        page, used, serial = self.tail
         take = min(num_tokens, ps - used)
         head = torch.arange(page * ps + used, page * ps + used + take, dtype=torch.int64)
         # taken now, even if new pages must still be leased: another allocate of this
         # context running meanwhile must not get these slots too
-        self.tail = (page, used + take) if used + take < ps else None
+        self.tail = (page, used + take, serial) if used + take < ps else None
         return head, num_tokens - take
 
     def lease_op(self, num_pages: int) -> Plan[PageIds]:
@@ -210,8 +221,9 @@ class Request:
 
     def took_pages(self, pages: PageIds, num_tokens: int) -> None:
         """`allocate` leased `pages` for `num_tokens` (after the partial page, if any)."""
-        ps = self.core.config.page_size
-        self.tail = (int(pages[-1]), num_tokens % ps) if num_tokens % ps else None
+        ps, last = self.core.config.page_size, int(pages[-1])
+        self.tail = (last, num_tokens % ps, int(self.core.leases.serial[last])) \
+            if num_tokens % ps else None
 
     # ------------------------------------------------------------------ commit
 
@@ -266,7 +278,7 @@ class Request:
         """
         ps, leases = self.core.config.page_size, self.core.leases
         mark, self.tail = self.tail, None
-        if mark is not None and leases.owner[mark[0]] != self.owner:
+        if not self.holds(mark):
             # NOTE: checked before adopting: a page freed since and leased again by
             # `HiCache.allocate` became ours by the adoption below, and the stale mark
             # handed out its slots the caller still held
@@ -282,7 +294,7 @@ class Request:
             else:  # our own page: handed out whole unless it is the mark's
                 used = max(used, mark[1]) if mark is not None and mark[0] == page else ps
             if used < ps:
-                self.tail = (page, used)
+                self.tail = (page, used, int(leases.serial[page]))
                 return
         if mark is not None:
             self.tail = mark  # the last page allocate handed out is still ours, uncommitted
