@@ -31,8 +31,10 @@ class Leases:
         self.count = 0
         """Pages leased, all owners."""
         self.handed = np.zeros(allocator.capacity, dtype=np.int32)
-        """Slots of each leased page handed out to its owner (the last page of a lease for
-        a number of tokens that is not whole pages has fewer)."""
+        """Slots of each page `HiCache.allocate` leased that it handed out (the last page of
+        a lease for a number of tokens that is not whole pages has fewer). Read only when a
+        commit adopts such a page; a context's own partial page is tracked by its
+        `Request.tail`, which later allocates move on, so for its pages this stays ``ps``."""
         self.serial = np.zeros(allocator.capacity, dtype=np.int64)
         """The lease each page is in, numbered: a page freed and leased again (to anyone,
         its old owner too) is in another lease, so a note about the old one is stale."""
