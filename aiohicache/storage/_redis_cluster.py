@@ -316,6 +316,14 @@ def _recorder() -> Redis:
     return Redis()
 
 
+def check_options(url: str, safe_url: str) -> None:
+    """Raise `ConfigError` for a query option of a cluster URL that the cluster client (or
+    the backend) refuses: what `cluster_client` would raise, connecting nowhere (the client
+    connects at its first command)."""
+    cluster_client(url, safe_url, socket_timeout=1.0, connect_timeout=1.0, max_connections=1,
+                   retries=0)
+
+
 def cluster_client(url: str, safe_url: str, *, socket_timeout: float,
                    connect_timeout: float, max_connections: int,
                    retries: int) -> RedisCluster:

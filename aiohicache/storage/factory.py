@@ -76,7 +76,8 @@ def check_url(url: str) -> None:
         ConfigError: ``storage: ...``, saying what is wrong: not a string, no or an unknown
             scheme, anything after ``memory://`` but its query, a file URL with a host or no
             directory, a query option a memory or file URL does not take or a bad value of
-            one, a redis URL without a host or with a bad port or database number.
+            one, a redis or cluster URL without a host, with a bad port or database number, or
+            with a query option redis-py (or the backend) refuses.
     """
     _parse(url)
 
@@ -241,11 +242,12 @@ def _check_redis(url: str) -> None:
         _check_redis_options(url, shown)
 
 
-def _check_redis_options(url: str, shown: str) -> None:
+def _check_redis_options(url: str, shown: str, module: str = "_redis_parts") -> None:
     """The query options as redis-py reads them (else a bad one failed only when the store
-    was built: after a server had loaded its model)."""
+    was built: after a server had loaded its model); `module`'s ``check_options`` reads them
+    as its client does."""
     try:
-        parts = importlib.import_module("aiohicache.storage._redis_parts")
+        parts = importlib.import_module(f"aiohicache.storage.{module}")
     except ModuleNotFoundError:  # no redis-py: building the backend says so
         return
     try:
@@ -270,6 +272,8 @@ def _check_cluster(url: str) -> None:
                           f"cluster has only database 0")
     if parts.fragment:
         raise ConfigError(f"storage: cluster URL {shown!r} takes no fragment ('#...')")
+    if parts.query:
+        _check_redis_options(url, shown, "_redis_cluster")
 
 
 def _split(url: str) -> SplitResult:

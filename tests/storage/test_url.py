@@ -46,6 +46,12 @@ def test_good_urls_pass(url: str) -> None:
     ("redis://[::1/0", "malformed"),
     ("redis://h:1/0#frag", "fragment"),
     ("redis://h\n:1/0", "control character"),
+    # a cluster URL's query is read as the cluster client reads it, before a server loads
+    # its model (these failed only when the store was built)
+    ("redis+cluster://h:7000?bogus=1", "unexpected keyword argument 'bogus'"),
+    ("redis+cluster://h:7000?decode_responses=1", "'decode_responses' is not allowed"),
+    ("redis+cluster://h:7000?max_connections=x", "Invalid value for 'max_connections'"),
+    ("redis+cluster://h:7000?socket_timeout=3", "multiple values"),
 ])
 def test_a_malformed_url_says_what_is_wrong(url: str, why: str) -> None:
     with pytest.raises(ConfigError, match="^storage: ") as info:
