@@ -36,7 +36,7 @@ class Registration:
         self.nbytes = tensor.numel() * tensor.element_size()
         if self.nbytes:  # 0 bytes (host_pages=0): nothing to lock, and CUDA refuses them
             _check(runtime.cudaHostRegister(self.ptr, self.nbytes, _HOST_REGISTER_DEFAULT),  # type: ignore[attr-defined]
-                   f"cudaHostRegister of {self.nbytes} bytes")
+                   f"cudaHostRegister of {self.nbytes} bytes", _REGISTER_HINT)
         # Unregister before the memory can go back to the allocator: the finalizer holds the
         # tensor, so the bytes outlive the registration even if the owner drops both at once.
         self._finalizer = weakref.finalize(self, _unregister, runtime, self.ptr, tensor)
@@ -72,7 +72,15 @@ def _unregister(runtime: object, ptr: int, tensor: torch.Tensor) -> None:
     del tensor
 
 
-def _check(status: object, what: str) -> None:
+# NOTE: no unpinned fallback: the copy kernels read and write the host pool through its
+# device mapping, which only a registered pool has; what the user can change is the limit
+# or the pool's size, so the error says both
+_REGISTER_HINT = ("; the host pool could not be page-locked: check the locked-memory limit "
+                  "(`ulimit -l`, a container's memlock limit, RLIMIT_MEMLOCK) or make the "
+                  "host pool smaller (host_ratio / host_pages)")
+
+
+def _check(status: object, what: str, hint: str = "") -> None:
     code = int(getattr(status, "value", status))  # type: ignore[call-overload]
     if code != 0:
-        raise ConfigError(f"{what} failed with CUDA error {code} ({status})")
+        raise ConfigError(f"{what} failed with CUDA error {code} ({status}){hint}")

@@ -405,9 +405,12 @@ def test_an_empty_host_pool_is_pinned_without_asking_cuda() -> None:
     assert not reg.active and cudart.calls == []
 
 
-def test_a_failed_registration_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="cudaHostRegister"):
+def test_a_failed_registration_is_a_config_error_saying_what_to_change() -> None:
+    """A pool the memlock limit refuses (CUDA error 2 in a container) names the limit and
+    the pool's size, the two things a user can change (the kernels need a locked pool)."""
+    with pytest.raises(ConfigError, match="cudaHostRegister") as info:
         Registration(torch.zeros(16), cudart=RecordingCudart(status=2))
+    assert "ulimit -l" in str(info.value) and "host_ratio" in str(info.value)
 
 
 def test_pinning_without_cuda_is_a_config_error() -> None:
