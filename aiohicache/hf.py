@@ -41,7 +41,8 @@ def tiny_llama(*, seed: int = 0, vocab_size: int = 32000, hidden_size: int = 128
     """A small Llama with random weights (seeded), built in-process: nothing is downloaded.
 
     Float32 on the CPU, in eval mode, SDPA attention. Its outputs are noise, but its compute
-    and KV are a real Llama's, so cache hits and recomputation can be compared exactly.
+    and KV are a real Llama's, so cache hits and recomputation can be compared exactly. It
+    has no end-of-sequence token (``generation_config.eos_token_id`` is None).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -54,6 +55,9 @@ def tiny_llama(*, seed: int = 0, vocab_size: int = 32000, hidden_size: int = 128
         torch.manual_seed(seed)
         model = LlamaForCausalLM(LlamaConfig(**fields))
     model.train(False)
+    # its outputs are noise, with no end: a generation runs to its length (LlamaConfig's
+    # default end-of-sequence id 2 would end one wherever byte 2 came up)
+    model.generation_config.eos_token_id = None
     return model
 
 

@@ -102,12 +102,12 @@ class TracingEngine(Engine):
     task sets `TRACE`)."""
 
     async def _decode(self, logits: torch.Tensor, past: DynamicCache, params: SamplingParams,
-                      fed: list[int]) -> AsyncGenerator[int, None]:
+                      fed: list[int], usage: Usage) -> AsyncGenerator[int, None]:
         trace = TRACE.get()
         if trace is not None:
             trace.logits.append(logits.detach().clone())
             trace.decoding = True
-        steps = super()._decode(logits, past, params, fed)
+        steps = super()._decode(logits, past, params, fed, usage)
         async with contextlib.aclosing(steps):
             async for token in steps:
                 yield token

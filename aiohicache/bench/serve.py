@@ -135,8 +135,9 @@ async def drive(url: str, sessions: list[list[list[int]]], *, name: str, concurr
 
 async def _request(http: aiohttp.ClientSession, url: str, prompt: list[int],
                    max_tokens: int) -> Sample:
+    # every request generates max_tokens, end-of-sequence or not, so modes compare alike
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
     start = time.perf_counter()
     ttft, final = 0.0, None
     async with http.post(f"{url}/v1/completions", json=body) as resp:

@@ -210,6 +210,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
         prompt = await _prompt(request.app, body.get("prompt"))
         params = _params(body)
+        stop = _stop_strings(body)
         stream = _flag(body, "stream")
     except _BadRequest as exc:
         return _error(400, str(exc))
@@ -229,33 +230,41 @@ async def completions(request: web.Request) -> web.StreamResponse:
         except HiCacheError as exc:
             return _error(503, f"cache unavailable: {exc}", "server_error")
         head = _head(engine)
+        text = _Text(engine.tokenizer, stop)
         if stream:
-            return await _stream(request, head, first, tokens, usage, body)
-        ids = [first] + [t async for t in tokens]
+            return await _stream(request, head, first, tokens, usage, body, text)
+        ids: list[int] = []
+        pieces: list[str] = []
+        token: int | None = first
+        while token is not None:
+            ids.append(token)
+            pieces.append(text.push(token, usage))
+            # NOTE: not one more decode step: leaving the block closes `tokens`
+            token = None if text.stopped else await anext(tokens, None)
+        pieces.append(text.flush())
     return web.json_response({
-        **head, "choices": [_choice(engine.tokenizer.decode(ids), "length")],
+        **head, "choices": [_choice("".join(pieces), text.finish_reason(usage))],
         "usage": _usage(usage), "aiohicache": {"token_ids": ids, "cached_tiers": usage.tiers}})
 
 
 async def _stream(request: web.Request, head: dict[str, Any], first: int,
-                  tokens: AsyncIterator[int], usage: Usage,
-                  body: dict[str, Any]) -> web.StreamResponse:
+                  tokens: AsyncIterator[int], usage: Usage, body: dict[str, Any],
+                  text: _Text) -> web.StreamResponse:
     """Server-sent events: one chunk per token as soon as it is sampled, a last one with no
     text and the finish reason, then usage if asked for, then ``[DONE]``.
 
     NOTE: a token's chunk is not held back to carry the finish reason: it waited for the next
     token's decode step (time to first token included one)."""
-    engine = request.app[ENGINE]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    text = _Detokenizer(engine.tokenizer)
     token: int | None = first
     while token is not None:
-        await _event(resp, {**head, "choices": [_choice(text.push(token), None)],
+        await _event(resp, {**head, "choices": [_choice(text.push(token, usage), None)],
                             "token_ids": [token]})
-        token = await anext(tokens, None)
-    await _event(resp, {**head, "choices": [_choice(text.flush(), "length")], "token_ids": []})
+        token = None if text.stopped else await anext(tokens, None)  # as in `completions`
+    await _event(resp, {**head, "choices": [_choice(text.flush(), text.finish_reason(usage))],
+                        "token_ids": []})
     options = body.get("stream_options") or {}
     if isinstance(options, dict) and options.get("include_usage"):
         await _event(resp, {**head, "choices": [], "usage": _usage(usage),
@@ -263,6 +272,60 @@ async def _stream(request: web.Request, head: dict[str, Any], first: int,
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+class _Text:
+    """A completion's text as its tokens arrive: detokenized, less an end-of-sequence token,
+    and cut before the first of the request's stop strings (which ends the completion).
+
+    Streamed, text that may be the start of a stop string is held back until the next
+    tokens say whether it is; the pieces join to the whole text either way.
+    """
+
+    __slots__ = ("_shown", "_stop", "_text", "_tokens", "stopped")
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+        self._tokens = _Detokenizer(tokenizer)
+        self._stop = stop
+        self._text = ""  # decoded so far
+        self._shown = 0  # characters of it returned
+        self.stopped = False
+        """A stop string was found: generate no more."""
+
+    def push(self, token: int, usage: Usage) -> str:
+        """The text `token` adds that is safe to show now."""
+        if usage.finish_reason != "stop":  # NOTE: the engine sets it as it yields the end
+            self._text += self._tokens.push(token)
+        return self._take(final=False)
+
+    def flush(self) -> str:
+        """The rest of the text, once no token will follow."""
+        if not self.stopped:
+            self._text += self._tokens.flush()
+        return self._take(final=True)
+
+    def finish_reason(self, usage: Usage) -> str:
+        return "stop" if self.stopped else usage.finish_reason
+
+    def _take(self, *, final: bool) -> str:
+        if self.stopped:
+            return ""
+        end = min((i for i in (self._text.find(s, self._shown) for s in self._stop) if i >= 0),
+                  default=-1)
+        if end >= 0:
+            self.stopped = True
+        elif final:
+            end = len(self._text)
+        else:
+            end = len(self._text) - self._held()
+        piece, self._shown = self._text[self._shown:end], max(self._shown, end)
+        return piece
+
+    def _held(self) -> int:
+        """How many characters at the end could begin a stop string."""
+        rest = len(self._text) - self._shown
+        return max((k for s in self._stop for k in range(min(len(s) - 1, rest), 0, -1)
+                    if self._text.endswith(s[:k])), default=0)
 
 
 class _Detokenizer:
@@ -383,7 +446,22 @@ def _params(body: dict[str, Any]) -> SamplingParams:
     top_p = check_number("top_p", _given(body, "top_p", 1.0), low=0, low_open=True, high=1,
                          error=_BadRequest)
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                          top_p=top_p)
+                          top_p=top_p, ignore_eos=_flag(body, "ignore_eos"))
+
+
+_MAX_STOPS = 4
+_MAX_STOP_CHARS = 1024
+
+
+def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
+    """``stop``: a string or a list of at most 4 (OpenAI's bound); none may be empty."""
+    value = _given(body, "stop", [])
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > _MAX_STOPS \
+            or not all(isinstance(s, str) and 0 < len(s) <= _MAX_STOP_CHARS for s in stops):
+        raise _BadRequest(f"stop: a string or a list of at most {_MAX_STOPS} strings, each "
+                          f"of 1..{_MAX_STOP_CHARS} characters (got {value!r:.80})")
+    return tuple(stops)
 
 
 def _given(body: dict[str, Any], name: str, default: object) -> object:
@@ -394,14 +472,13 @@ def _given(body: dict[str, Any], name: str, default: object) -> object:
 
 
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "stop": ("", []), "suffix": ("",),
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",),
     "logit_bias": ({},), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
     "logprobs": (),
 }
 """OpenAI fields the server does not implement, with the values that ask for nothing (and
 null): any other value is refused, naming the field. NOTE: they were ignored, so
-``"stop": ["\\n"]`` or ``"n": 3`` got a 200 that did not do what it asked (text past the
-stop, one choice)."""
+``"n": 3`` got a 200 that did not do what it asked (one choice)."""
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:

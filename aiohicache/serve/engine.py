@@ -137,6 +137,8 @@ class SamplingParams:
     top_p: float = 1.0
     """Nucleus sampling: draw from the fewest most likely tokens whose probabilities sum to
     at least this (1: all of them). No effect when greedy."""
+    ignore_eos: bool = False
+    """Generate `max_tokens` tokens even past an end-of-sequence token (benchmarks)."""
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, low=1)
@@ -157,6 +159,9 @@ class Usage:
     sum to `cached_tokens`."""
     ttft: float = 0.0
     """Seconds from the request to its first token."""
+    finish_reason: str = "length"
+    """``"stop"`` once the model generated an end-of-sequence token (`Engine.eos_token_ids`;
+    it is the last token yielded), else ``"length"``."""
 
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -252,6 +257,10 @@ class Engine:
         self._adapter: HFAdapter | None = None
         self._admission = anyio.Semaphore(config.max_running)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        """Tokens that end a generation (unless `SamplingParams.ignore_eos`). NOTE: there
+        were none: a checkpoint's completion ran on past its end-of-sequence token, into
+        text the model never meant, until `max_tokens`."""
 
     async def __aenter__(self) -> Self:
         if self.config.torch_threads is not None:
@@ -375,7 +384,8 @@ class Engine:
                 usage.tiers = _by_tier(out.num_reused_tokens, hit.num_device_hit_tokens,
                                        hit.num_host_hit_tokens, hit.num_storage_hit_tokens)
                 fed = list(prompt)
-                tokens = self._decode(out.logits[0, -1], out.past_key_values, params, fed)
+                tokens = self._decode(out.logits[0, -1], out.past_key_values, params, fed,
+                                      usage)
                 async with contextlib.aclosing(tokens):
                     async for token in tokens:
                         yield token
@@ -409,17 +419,23 @@ class Engine:
                         usage: Usage) -> AsyncGenerator[int, None]:
         past = DynamicCache(config=self.model.config)
         logits = await self._run(prompt, past)
-        tokens = self._decode(logits, past, params, list(prompt))
+        tokens = self._decode(logits, past, params, list(prompt), usage)
         async with contextlib.aclosing(tokens):
             async for token in tokens:
                 yield token
 
     async def _decode(self, logits: torch.Tensor, past: DynamicCache, params: SamplingParams,
-                      fed: list[int]) -> AsyncGenerator[int, None]:
-        """Sample from `logits`, then decode on `past`; `fed` grows by each token fed back."""
+                      fed: list[int], usage: Usage) -> AsyncGenerator[int, None]:
+        """Sample from `logits`, then decode on `past`; `fed` grows by each token fed back.
+        An end-of-sequence token is yielded last (it counts as generated, as in vLLM)."""
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        ends = frozenset() if params.ignore_eos else self.eos_token_ids
         for step in range(params.max_tokens):
             token = _sample(logits, params, gen)
+            if token in ends:
+                usage.finish_reason = "stop"
+                yield token
+                return
             yield token
             if step + 1 < params.max_tokens:
                 fed.append(token)
@@ -433,6 +449,19 @@ class Engine:
         logits = await finish_then_cancel(
             run_in_thread(self._executor, forward, self.model, tokens, past))
         return logits[0, -1]
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids that end a generation: the model's generation config's end-of-sequence ids
+    (one or a list: Llama-3 instruct ends turns with two) and the tokenizer's."""
+    found: set[int] = set()
+    config = getattr(model, "generation_config", None)
+    for ids in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(ids, int):
+            found.add(ids)
+        elif isinstance(ids, list | tuple):
+            found.update(i for i in ids if isinstance(i, int))
+    return frozenset(found)
 
 
 def _by_tier(reused: int, *found: int) -> dict[str, int]:
