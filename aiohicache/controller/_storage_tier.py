@@ -231,7 +231,12 @@ class StorageTier(TPResults):
     async def _count_present(self, job: PrefetchJob) -> int:
         tail = [k.hex() for k in job.keys[job.start_page:]]
         count = await self.backend.exists(tail)
-        self.breaker.record_success()
+        # NOTE: a success only where no read follows (the read's outcome is the prefetch's):
+        # recorded before every read, it reset the failures in a row, and a store whose reads
+        # all failed while EXISTS answered (replies over its output buffer limit) never
+        # opened the breaker
+        if count * self.config.page_size < max(self.config.l3.prefetch_threshold, 1):
+            self.breaker.record_success()
         return count
 
     def _on_count(self, job: PrefetchJob, count: int) -> bool:

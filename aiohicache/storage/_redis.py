@@ -204,6 +204,12 @@ class RedisBackend:
         extra["used_bytes"] = sum(int(cast(int, r.get("used_memory", 0))) for r in replies)
         self._memory = (extra["max_bytes"] or None, extra["used_bytes"])
 
+    async def _first_look(self) -> None:
+        """Look at the server's memory if it never was: a cache enters no backend it builds
+        from a URL, and one that only read reported no budget (writes look every 10 s)."""
+        if self._info_at == -math.inf:
+            await self._look_at_memory()  # NOTE: it raises nothing
+
     async def _memory_info(self) -> list[dict[str, object]]:
         async with self._connections:
             return [await self._client.info("memory")]
@@ -236,12 +242,12 @@ class RedisBackend:
             _warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)  # type: ignore[operator]
 
     def stats(self) -> BackendStats:
-        """A copy of the counters, with the server's memory as last seen (on entering, then at
-        most every 10 s by a write), summed over a cluster's primaries: `capacity_bytes`
-        (``maxmemory``; None: no limit, or INFO not allowed) and `used_bytes`
-        (``used_memory``; None: not known). `extra` has ``round_trips`` (pipelines and single
-        commands sent), ``commands``, ``max_bytes`` (``maxmemory``, 0: no limit) and
-        ``used_bytes``."""
+        """A copy of the counters, with the server's memory as last seen (on entering or at
+        the first call, then at most every 10 s by a write), summed over a cluster's
+        primaries: `capacity_bytes` (``maxmemory``; None: no limit, or INFO not allowed) and
+        `used_bytes` (``used_memory``; None: not known). `extra` has ``round_trips``
+        (pipelines and single commands sent), ``commands``, ``max_bytes`` (``maxmemory``, 0:
+        no limit) and ``used_bytes``."""
         capacity, used = self._memory
         return replace(self._stats, extra=dict(self._stats.extra), capacity_bytes=capacity,
                        used_bytes=used)
@@ -262,6 +268,7 @@ class RedisBackend:
         self._stats.exists_calls += 1
         found = 0
         with self._in_flight(), self._translate(StorageReadError, "exists"):
+            await self._first_look()
             for lo in range(0, len(names), self.max_batch):
                 replies = await self._pipelined(names[lo:lo + self.max_batch],
                                                 lambda pipe, name, _: pipe.exists(name))
@@ -289,6 +296,7 @@ class RedisBackend:
         names = self._names(keys)
         views = check_buffers(self.fmt, keys, buffers, to_fill=True)
         with self._in_flight(), self._translate(StorageReadError, "get"):
+            await self._first_look()
             blobs: list[Blob] = []
             for lo, hi in self._page_ranges(len(names)):
                 blobs += await self._mget(names[lo:hi])
