@@ -247,7 +247,8 @@ def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int,
           torch_threads: int, seed: int, shutdown_timeout: float, loop: str) -> None:
     """OpenAI-compatible completions server: an HF model generating through the cache.
 
-    POST /v1/completions (streaming and not), GET /metrics (Prometheus), /health, /v1/models.
+    POST /v1/completions and /v1/chat/completions (streaming and not), GET /metrics
+    (Prometheus), /health, /v1/models.
     Needs the serve extra: pip install 'aiohicache[serve]'.
     """
     from .serve import EngineConfig

@@ -1,11 +1,12 @@
-"""`aiohicache serve`: an OpenAI-compatible completions server over an HF model and a HiCache.
+"""`aiohicache serve`: an OpenAI-compatible completions and chat server over an HF model and a
+HiCache.
 
     model, tokenizer, name = load_model()              # the tiny random Llama
     async with Engine(model, tokenizer, EngineConfig(), name=name) as engine, \
             running_server(engine, "127.0.0.1", 8000) as url:
-        ...                                            # POST {url}/v1/completions
+        ...                                # POST {url}/v1/completions, /v1/chat/completions
 
-Needs the ``serve`` extra (aiohttp, transformers).
+Needs the ``serve`` extra (aiohttp, transformers, jinja2).
 """
 
 from .app import ListenError, build_app, running_server, serve

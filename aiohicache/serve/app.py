@@ -1,5 +1,5 @@
-"""The HTTP face of the engine (aiohttp): OpenAI-compatible ``/v1/completions``, ``/metrics``,
-``/health`` and ``/v1/models``.
+"""The HTTP face of the engine (aiohttp): OpenAI-compatible ``/v1/completions`` and
+``/v1/chat/completions``, ``/metrics``, ``/health`` and ``/v1/models``.
 
 Each request is its own task; its cache work (match, prefetch, load-back, commit) is awaited
 in its handler. A client that disconnects cancels its handler (``handler_cancellation``):
@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -26,6 +27,7 @@ from aiohttp import web
 from .. import ConfigError, HiCacheError
 from .._concurrency import finish_then_cancel
 from .._validate import check_int, check_number
+from ._chat import chat_ids, check_messages
 from .engine import Engine, EngineBusy, PromptError, SamplingParams, Tokenizer, Usage
 
 __all__ = ("ListenError", "build_app", "running_server", "serve")
@@ -98,8 +100,10 @@ def build_app(engine: Engine) -> web.Application:
     app[ENGINE] = engine
     app[_IN_FLIGHT] = in_flight
     app[_TOKENIZING] = anyio.CapacityLimiter(1)
-    app.add_routes([web.post("/v1/completions", completions), web.get("/metrics", metrics),
-                    web.get("/health", health), web.get("/v1/models", models)])
+    app.add_routes([web.post("/v1/completions", completions),
+                    web.post("/v1/chat/completions", chat_completions),
+                    web.get("/metrics", metrics), web.get("/health", health),
+                    web.get("/v1/models", models)])
     return app
 
 
@@ -204,15 +208,72 @@ def _reason(exc: OSError) -> str:
 # ---------------------------------------------------------------------------- handlers
 
 
+@dataclass(frozen=True, slots=True)
+class _Kind:
+    """How one endpoint reads its prompt and shapes its answers."""
+
+    name: str
+    chunk_name: str
+    id_prefix: str
+    unsupported: dict[str, tuple[object, ...]]
+
+    async def prompt(self, app: web.Application, body: dict[str, Any]) -> list[int]:
+        return await _prompt(app, body.get("prompt"))
+
+    def max_tokens(self, body: dict[str, Any]) -> tuple[str, object]:
+        """The field that sets the completion's length, and its value."""
+        return "max_tokens", _given(body, "max_tokens", 16)
+
+    def choice(self, text: str, finish: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def chunk(self, text: str, finish: str | None, first: bool) -> dict[str, Any]:
+        return self.choice(text, finish)
+
+
+class _ChatKind(_Kind):
+    async def prompt(self, app: web.Application, body: dict[str, Any]) -> list[int]:
+        """Cancellation: a template being rendered on its thread finishes first."""
+        messages = check_messages(body.get("messages"))
+        tokenizer = app[ENGINE].tokenizer
+        if sum(len(m["content"]) for m in messages) <= _INLINE_CHARS:
+            return chat_ids(tokenizer, messages)
+        return await anyio.to_thread.run_sync(chat_ids, tokenizer, messages,
+                                              limiter=app[_TOKENIZING])
+
+    def max_tokens(self, body: dict[str, Any]) -> tuple[str, object]:
+        """``max_completion_tokens`` (OpenAI's newer name) or else ``max_tokens``."""
+        if body.get("max_completion_tokens") is not None:
+            return "max_completion_tokens", body["max_completion_tokens"]
+        return super().max_tokens(body)
+
+    def choice(self, text: str, finish: str | None) -> dict[str, Any]:
+        return {"index": 0, "message": {"role": "assistant", "content": text},
+                "logprobs": None, "finish_reason": finish}
+
+    def chunk(self, text: str, finish: str | None, first: bool) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": text} if first else \
+            ({"content": text} if text or finish is None else {})
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, _COMPLETION)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, _CHAT)
+
+
+async def _complete(request: web.Request, kind: _Kind) -> web.StreamResponse:
     engine = request.app[ENGINE]
     try:
         body = await _json_body(request)
-        prompt = await _prompt(request.app, body.get("prompt"))
-        params = _params(body)
+        prompt = await kind.prompt(request.app, body)
+        params = _params(body, kind)
         stop = _stop_strings(body)
         stream = _flag(body, "stream")
-    except _BadRequest as exc:
+    except (_BadRequest, PromptError) as exc:
         return _error(400, str(exc))
     usage = Usage(prompt_tokens=len(prompt))
     async with aclosing(engine.generate(prompt, params, usage)) as tokens:
@@ -229,10 +290,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
             return _error(500, f"server misconfigured: {exc}", "server_error")
         except HiCacheError as exc:
             return _error(503, f"cache unavailable: {exc}", "server_error")
-        head = _head(engine)
+        head = _head(engine, kind)
         text = _Text(engine.tokenizer, stop)
         if stream:
-            return await _stream(request, head, first, tokens, usage, body, text)
+            return await _stream(request, head, first, tokens, usage, body, text, kind)
         ids: list[int] = []
         pieces: list[str] = []
         token: int | None = first
@@ -243,13 +304,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
             token = None if text.stopped else await anext(tokens, None)
         pieces.append(text.flush())
     return web.json_response({
-        **head, "choices": [_choice("".join(pieces), text.finish_reason(usage))],
+        **head, "choices": [kind.choice("".join(pieces), text.finish_reason(usage))],
         "usage": _usage(usage), "aiohicache": {"token_ids": ids, "cached_tiers": usage.tiers}})
 
 
 async def _stream(request: web.Request, head: dict[str, Any], first: int,
                   tokens: AsyncIterator[int], usage: Usage, body: dict[str, Any],
-                  text: _Text) -> web.StreamResponse:
+                  text: _Text, kind: _Kind) -> web.StreamResponse:
     """Server-sent events: one chunk per token as soon as it is sampled, a last one with no
     text and the finish reason, then usage if asked for, then ``[DONE]``.
 
@@ -258,13 +319,14 @@ async def _stream(request: web.Request, head: dict[str, Any], first: int,
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
+    head = {**head, "object": kind.chunk_name}
     token: int | None = first
     while token is not None:
-        await _event(resp, {**head, "choices": [_choice(text.push(token, usage), None)],
-                            "token_ids": [token]})
-        token = None if text.stopped else await anext(tokens, None)  # as in `completions`
-    await _event(resp, {**head, "choices": [_choice(text.flush(), text.finish_reason(usage))],
-                        "token_ids": []})
+        piece = kind.chunk(text.push(token, usage), None, token is first)
+        await _event(resp, {**head, "choices": [piece], "token_ids": [token]})
+        token = None if text.stopped else await anext(tokens, None)  # as in `_complete`
+    last = kind.chunk(text.flush(), text.finish_reason(usage), False)
+    await _event(resp, {**head, "choices": [last], "token_ids": []})
     options = body.get("stream_options") or {}
     if isinstance(options, dict) and options.get("include_usage"):
         await _event(resp, {**head, "choices": [], "usage": _usage(usage),
@@ -433,10 +495,10 @@ def _check_text(prompt: str) -> None:
                           f"{exc.start})") from None
 
 
-def _params(body: dict[str, Any]) -> SamplingParams:
-    _refuse_unsupported(body)
-    max_tokens = check_int("max_tokens", _given(body, "max_tokens", 16), low=1,
-                           high=_MAX_TOKENS_LIMIT, error=_BadRequest)
+def _params(body: dict[str, Any], kind: _Kind) -> SamplingParams:
+    _refuse_unsupported(body, kind.unsupported)
+    max_tokens = check_int(*kind.max_tokens(body), low=1, high=_MAX_TOKENS_LIMIT,
+                           error=_BadRequest)
     temperature = check_number("temperature", _given(body, "temperature", 1.0), low=0,
                                high=2, error=_BadRequest)
     seed = body.get("seed")
@@ -476,13 +538,19 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "logit_bias": ({},), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
     "logprobs": (),
 }
+_UNSUPPORTED_CHAT: dict[str, tuple[object, ...]] = {
+    "n": (1,), "logit_bias": ({},), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",),
+    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
+    "modalities": (["text"],), "audio": (), "prediction": (),
+}
 """OpenAI fields the server does not implement, with the values that ask for nothing (and
 null): any other value is refused, naming the field. NOTE: they were ignored, so
 ``"n": 3`` got a 200 that did not do what it asked (one choice)."""
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    for name, neutral in _UNSUPPORTED.items():
+def _refuse_unsupported(body: dict[str, Any], fields: dict[str, tuple[object, ...]]) -> None:
+    for name, neutral in fields.items():
         value = body.get(name)
         # of the neutral value's type too: True == 1 and False == 0 in Python
         if value is not None and not any(type(value) is type(n) and value == n
@@ -501,13 +569,13 @@ def _flag(body: dict[str, Any], name: str) -> bool:
 # ---------------------------------------------------------------------------- responses
 
 
-def _head(engine: Engine) -> dict[str, Any]:
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+def _head(engine: Engine, kind: _Kind) -> dict[str, Any]:
+    return {"id": f"{kind.id_prefix}-{uuid.uuid4().hex}", "object": kind.name,
             "created": int(time.time()), "model": engine.name}
 
 
-def _choice(text: str, finish: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+_COMPLETION = _Kind("text_completion", "text_completion", "cmpl", _UNSUPPORTED)
+_CHAT = _ChatKind("chat.completion", "chat.completion.chunk", "chatcmpl", _UNSUPPORTED_CHAT)
 
 
 def _usage(usage: Usage) -> dict[str, Any]:

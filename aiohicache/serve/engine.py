@@ -63,6 +63,12 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
+        """A plain chat template: each message as ``<|role|>`` and its text on lines of their
+        own, then ``<|assistant|>``, where the answer begins."""
+        turns = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        return f"{turns}<|assistant|>\n"
+
     def decode(self, ids: Sequence[int]) -> str:
         small = all(0 <= i < 256 for i in ids)
         if small:
