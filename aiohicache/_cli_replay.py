@@ -145,10 +145,17 @@ def replay(trace: str, limit: int | None, l3: str, eviction: list[str], time_mod
         if results[0].requests == 0:  # a streamed trace: known empty only once read
             raise no_requests(trace)
     except ConfigError as exc:  # also a pool larger than the machine: device_pages from --l1
+        field_name, _, why = str(exc).partition(": ")
+        if field_name in _TIER_FLAGS:  # the tiers: named by their flags, as serve does
+            raise click.BadParameter(why, param_hint=f"'{_TIER_FLAGS[field_name]}'") from None
         raise click.UsageError(str(exc)) from exc
     _print_replay(results, trace, as_json=as_json, swept=sweep is not None or len(eviction) > 1)
     if plot is not None:
         _write_plot(results, plot, trace, as_json=as_json)
+
+
+_TIER_FLAGS = {"device_tokens": "--l1", "host_tokens": "--l2"}
+"""`ReplayConfig` fields a user gives as options: their errors name the option."""
 
 
 def _refuse_ignored_options(*, sweep: list[str] | None, time_mode: str, l3: str,

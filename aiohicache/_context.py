@@ -65,6 +65,7 @@ class FetchContext:
         req = getattr(self, "_req", None)
         if req is None or req.pin is None:
             return
+        req.core.abandoned += 1  # NOTE: a race of two collecting threads may lose one: >0
         tp = req.core.tp is not None and not req.core.tp.finished.done()
         _warn(f"{self!r} was entered and never exited: "
               f"{'its pin and leases stay (TP)' if tp else 'released now'}; use 'async with'",

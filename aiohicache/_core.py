@@ -48,6 +48,9 @@ class Core:
     dropped: list[object] = field(default_factory=list)
     """TP: requests of contexts dropped without exiting; kept, with their pin and leases
     (`FetchContext.__del__`: a release would run at another point on each rank)."""
+    abandoned: int = 0
+    """Contexts entered and never exited, released (or kept, TP) when collected: the
+    testing plugin fails the test that left one (their leases were gone by its check)."""
     page_keys: PageKeys | None = None
     """An events subscriber's page keys without L3 (`_request.page_keys`), made once."""
     state: Literal["new", "open", "closing", "closed"] = "new"

@@ -285,6 +285,9 @@ def _serve_engine(model_path: str | None, seed: int, config: Any) -> tuple[Any, 
         model, tokenizer, name = load_model(model_path, seed=seed)
         return Engine(model, tokenizer, config, name=name), name
     except ConfigError as exc:
+        field_name, _, why = str(exc).partition(": ")
+        if field_name == "storage":  # the cache's config: an --l3 it cannot use
+            raise click.BadParameter(why, param_hint="'--l3'") from None
         raise click.UsageError(str(exc)) from exc
 
 

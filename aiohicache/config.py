@@ -271,6 +271,11 @@ class HiCacheConfig:
             object.__setattr__(self, name, group_of(cls, self))
         self._check_io_backend()
         self._check_eviction()
+        if self.storage is not None and self.host_capacity_pages == 0:
+            # NOTE: prefetches land in L2 and backups are written from it: with no L2 page
+            # the store was opened and never used, unsaid (replay --l3 with --l2 0 refuses)
+            raise ConfigError("storage: L3 pages are read into L2 and written from it, and "
+                              "host_pages 0 leaves no L2; give L2 pages or no storage")
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"namespace: must be a non-empty str, got {self.namespace!r}")
         try:  # storage keys and page headers hash its UTF-8 bytes

@@ -403,7 +403,8 @@ class HFAdapter:
 
         Raises:
             ConfigError: `hit` is not the context `prefill` ran in, or it committed other
-                tokens since (nothing is written).
+                tokens since, or `tokens` run past the KV the model's cache holds (the last
+                decoded token, never fed back); nothing is written.
 
         Cancellation: as `FetchContext.allocate` and `commit`; a copy into the pool under
         way finishes on its thread first.
@@ -413,6 +414,12 @@ class HFAdapter:
         fed = len(ids) - done
         if fed <= 0:
             return
+        held = prefill.past_key_values.get_seq_length()
+        if len(ids) > held:
+            # NOTE: the pool's indexed write broadcast the one row there was into two slots:
+            # the last decoded token got the KV of the one before, committed with its page
+            raise ConfigError(f"tokens: {len(ids)} given, the model's cache holds the KV of "
+                              f"{held} (a decoded token has none until it is fed back)")
         # NOTE: the partial page's slots are ours only while the context still leases them:
         # once a commit took that page (and freed it as a duplicate) they may be another
         # prefix's; a second call with the prompt's tail slots wrote into them.

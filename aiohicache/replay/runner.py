@@ -94,6 +94,13 @@ class ReplayConfig:
         if self.device_tokens < self.page_size:
             raise ConfigError(f"device_tokens: {self.device_tokens} is less than one page "
                               f"({self.page_size} tokens)")
+        if 0 < self.host_tokens < self.page_size:
+            # NOTE: rounded down to no page: a single tier, its L3 unused, unsaid
+            raise ConfigError(f"host_tokens: {self.host_tokens} is less than one page "
+                              f"({self.page_size} tokens); 0 for no L2")
+        if self.storage is not None and self.host_tokens == 0:  # "tmp" is made only to run
+            raise ConfigError("storage: L3 pages are read into L2 and written from it, and "
+                              "host_tokens 0 leaves no L2; give L2 tokens or no storage")
         if "opt" in eviction_tiers(self.eviction) and (
                 self.time_mode != "fast" or self.concurrency != 1):
             raise ConfigError("eviction: 'opt' follows the trace request by request: it needs "

@@ -53,13 +53,20 @@ def storage_format(config: HiCacheConfig) -> PageFormat:
 
 async def check_cache(cache: HiCache) -> None:
     """What the plugin asserts after each test: copies settle, the internal invariants hold,
-    no device slot is still leased, the cache has not failed."""
+    no device slot is still leased, no fetch context was left unexited, the cache has not
+    failed."""
     await cache.drain()
     cache.check_invariants()
     stats = cache.stats()
     assert stats.device_pages_leased == 0, (
         f"{cache!r}: {stats.device_pages_leased} device pages still leased after the test "
         f"(allocate() without commit or free, outside a fetch context?)")
+    # NOTE: a context entered by hand and dropped is released when collected (a warning
+    # nobody sees: ResourceWarning is ignored by default), so its leases passed the check
+    abandoned = cache._core.abandoned
+    assert abandoned == 0, (
+        f"{cache!r}: {abandoned} fetch context(s) entered and never exited (released when "
+        f"collected; use 'async with cache.fetch(...)')")
     assert stats.health != "failed", f"{cache!r}: the cache failed during the test"
 
 

@@ -69,7 +69,14 @@ class KVOracle:
                                                                         pool.v_buffer)]
 
     def expected(self, tokens: Sequence[int], start: int, num: int) -> list[torch.Tensor]:
-        """The KV of ``tokens[start:start + num]``, one ``[num, *row]`` tensor per buffer."""
+        """The KV of ``tokens[start:start + num]``, one ``[num, *row]`` tensor per buffer.
+
+        Raises:
+            ValueError: `tokens` end before ``start + num``.
+        """
+        if not 0 <= start <= start + num <= len(tokens):  # else a reshape's shape error
+            raise ValueError(f"tokens: {len(tokens)} of them, {num} slots from position "
+                             f"{start} need {start + num}")
         codes = torch.from_numpy(kv_code(tokens[:start + num], len(self._buffers))[:, start:])
         out = []
         for row_codes, buf in zip(codes, self._buffers, strict=True):

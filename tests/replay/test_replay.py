@@ -134,7 +134,7 @@ def test_byte_capacities_are_exact_decimal_multiples() -> None:
 def test_an_l3_password_is_not_printed() -> None:
     """The L3 URL shows in the table's header and the JSON: without its user and password,
     as everywhere else a storage URL is shown."""
-    config = ReplayConfig(spec=MODELS["tiny"], device_tokens=1024, host_tokens=0,
+    config = ReplayConfig(spec=MODELS["tiny"], device_tokens=1024, host_tokens=1024,
                           storage="redis://admin:hunter2@cache-host:6379/0?password=hunter3")
     cache_config = config.cache_config()
     lag = LagSummary(samples=0, p50_ms=0.0, p99_ms=0.0, max_ms=0.0)
