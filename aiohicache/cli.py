@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import click
 import torch
+from click.core import ParameterSource
 
 from . import __version__
 from ._cli_common import (
@@ -254,6 +255,8 @@ def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int,
     from .serve import EngineConfig
     from .serve import serve as run_server
 
+    if no_cache:
+        _refuse_with_no_cache()
     with tempfile.TemporaryDirectory(prefix="aiohicache-l3-") as tmp:
         storage = None if l3 == "none" else f"file://{tmp}" if l3 == "tmp" else l3
         try:
@@ -275,6 +278,17 @@ def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int,
 
         _serve_until_stopped(functools.partial(run_server, engine, host, port, on_ready=ready,
                                                shutdown_timeout=shutdown_timeout), loop)
+
+
+def _refuse_with_no_cache() -> None:
+    """The cache's options with ``--no-cache`` are a usage error: the user meant a cache
+    the server would not have (they were ignored, unsaid)."""
+    ctx = click.get_current_context()
+    for name in ("page_size", "l1", "l2", "l3"):
+        if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT,
+                                                  ParameterSource.DEFAULT_MAP):
+            raise click.UsageError(f"'--{name.replace('_', '-')}' sizes the cache: "
+                                   f"--no-cache has none")
 
 
 def _serve_engine(model_path: str | None, seed: int, config: Any) -> tuple[Any, str]:

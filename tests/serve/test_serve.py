@@ -487,6 +487,15 @@ def test_the_serve_command_refuses_an_l1_under_one_page() -> None:
     assert "Invalid value for '--l1': 8 is less than one page (16 tokens)" in result.output
 
 
+@pytest.mark.parametrize("option", [["--l1", "4096"], ["--l2", "0"], ["--l3", "tmp"],
+                                    ["--page-size", "32"]])
+def test_the_serve_command_refuses_cache_options_with_no_cache(option: list[str]) -> None:
+    """``--no-cache`` has no cache to size: its options were ignored, unsaid."""
+    result = CliRunner().invoke(cli, ["serve", "--no-cache", *option])
+    assert result.exit_code == 2
+    assert f"'{option[0]}' sizes the cache: --no-cache has none" in result.output
+
+
 def test_the_serve_command_refuses_an_l3_url_its_store_refuses_in_one_line() -> None:
     """An option the Redis client does not take passes the URL's syntax check and is refused
     when the store is made, as the server opens: that was a traceback after the model
