@@ -40,6 +40,9 @@ _INLINE_CHARS = 4096
 (Rust) HF tokenizer takes 1.2-1.7 ms of CPU a thousand tokens, and lets go of the GIL: a
 103k-token prompt held the loop, and every other request's cache work and tokens, for
 125-175 ms."""
+_MESSAGE_CHARS = 64
+"""What a chat message weighs against `_INLINE_CHARS` besides its text: a template renders
+each message at about 7 us (a 1 MiB body of empty messages held the loop for 0.22 s)."""
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -236,7 +239,7 @@ class _ChatKind(_Kind):
         """Cancellation: a template being rendered on its thread finishes first."""
         messages = check_messages(body.get("messages"))
         tokenizer = app[ENGINE].tokenizer
-        if sum(len(m["content"]) for m in messages) <= _INLINE_CHARS:
+        if sum(len(m["content"]) + _MESSAGE_CHARS for m in messages) <= _INLINE_CHARS:
             return chat_ids(tokenizer, messages)
         return await anyio.to_thread.run_sync(chat_ids, tokenizer, messages,
                                               limiter=app[_TOKENIZING])
@@ -300,8 +303,7 @@ async def _complete(request: web.Request, kind: _Kind) -> web.StreamResponse:
         while token is not None:
             ids.append(token)
             pieces.append(text.push(token, usage))
-            # NOTE: not one more decode step: leaving the block closes `tokens`
-            token = None if text.stopped else await anext(tokens, None)
+            token = await anext(tokens, None)  # None after a stop string: see `_Text.push`
         pieces.append(text.flush())
     return web.json_response({
         **head, "choices": [kind.choice("".join(pieces), text.finish_reason(usage))],
@@ -321,10 +323,14 @@ async def _stream(request: web.Request, head: dict[str, Any], first: int,
     await resp.prepare(request)
     head = {**head, "object": kind.chunk_name}
     token: int | None = first
+    # NOTE: a count, not `token is first`: ids up to 256 are one object in CPython, so a
+    # later token equal to the first was sent as the first (a chat delta with the role again)
+    sent = 0
     while token is not None:
-        piece = kind.chunk(text.push(token, usage), None, token is first)
+        piece = kind.chunk(text.push(token, usage), None, sent == 0)
         await _event(resp, {**head, "choices": [piece], "token_ids": [token]})
-        token = None if text.stopped else await anext(tokens, None)  # as in `_complete`
+        sent += 1
+        token = await anext(tokens, None)  # as in `_complete`
     last = kind.chunk(text.flush(), text.finish_reason(usage), False)
     await _event(resp, {**head, "choices": [last], "token_ids": []})
     options = body.get("stream_options") or {}
@@ -355,10 +361,18 @@ class _Text:
         """A stop string was found: generate no more."""
 
     def push(self, token: int, usage: Usage) -> str:
-        """The text `token` adds that is safe to show now."""
+        """The text `token` adds that is safe to show now. At a stop string, sets
+        `usage.finish_reason` to ``"stop"``: the generation ends at its next step, with no
+        more decoding, and its output is cached.
+
+        NOTE: the generator was closed there instead, which skipped caching the output: a
+        next chat turn quoting an answer that a stop string ended missed its KV."""
         if usage.finish_reason != "stop":  # NOTE: the engine sets it as it yields the end
             self._text += self._tokens.push(token)
-        return self._take(final=False)
+        piece = self._take(final=False)
+        if self.stopped:
+            usage.finish_reason = "stop"
+        return piece
 
     def flush(self) -> str:
         """The rest of the text, once no token will follow."""
@@ -533,16 +547,22 @@ def _given(body: dict[str, Any], name: str, default: object) -> object:
     return default if value is None else value
 
 
+_UNSUPPORTED_ENDS: dict[str, tuple[object, ...]] = {
+    "stop_token_ids": ([],), "min_tokens": (0,), "include_stop_str_in_output": (False,),
+}
+"""vLLM's (and SGLang's) fields beside `ignore_eos` that move where a completion ends.
+NOTE: they were ignored: ``stop_token_ids`` got a 200 that ran past the token asked to end
+it."""
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",),
     "logit_bias": ({},), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "logprobs": (),
+    "logprobs": (), **_UNSUPPORTED_ENDS,
 }
 _UNSUPPORTED_CHAT: dict[str, tuple[object, ...]] = {
     "n": (1,), "logit_bias": ({},), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
     "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
-    "modalities": (["text"],), "audio": (), "prediction": (),
+    "modalities": (["text"],), "audio": (), "prediction": (), **_UNSUPPORTED_ENDS,
 }
 """OpenAI fields the server does not implement, with the values that ask for nothing (and
 null): any other value is refused, naming the field. NOTE: they were ignored, so

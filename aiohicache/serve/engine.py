@@ -70,10 +70,21 @@ class ByteTokenizer:
         return f"{turns}<|assistant|>\n"
 
     def decode(self, ids: Sequence[int]) -> str:
-        small = all(0 <= i < 256 for i in ids)
-        if small:
-            return bytes(ids).decode(errors="replace")
-        return "".join(chr(i) if 32 <= i < 127 else f"<{i}>" for i in ids)
+        """Each run of byte ids as UTF-8, each id past 255 as ``<id>``.
+
+        NOTE: one id past 255 rendered every byte of the sequence but printable ASCII as
+        ``<byte>`` too: a sequence's text was not its parts' texts, and the streaming
+        detokenizer, which decodes a window with and without the newest token, sent pieces
+        such as ``"\n10><300>"``."""
+        out, run = [], bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode(errors="replace") + f"<{i}>")
+            run.clear()
+        out.append(run.decode(errors="replace"))
+        return "".join(out)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -167,7 +178,9 @@ class Usage:
     """Seconds from the request to its first token."""
     finish_reason: str = "length"
     """``"stop"`` once the model generated an end-of-sequence token (`Engine.eos_token_ids`;
-    it is the last token yielded), else ``"length"``."""
+    it is the last token yielded), else ``"length"``. The consumer sets ``"stop"`` itself to
+    end the generation at the token just yielded (a stop string it found): the next step ends
+    it with no further forward pass, and caches its output as at any other end."""
 
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -433,7 +446,8 @@ class Engine:
     async def _decode(self, logits: torch.Tensor, past: DynamicCache, params: SamplingParams,
                       fed: list[int], usage: Usage) -> AsyncGenerator[int, None]:
         """Sample from `logits`, then decode on `past`; `fed` grows by each token fed back.
-        An end-of-sequence token is yielded last (it counts as generated, as in vLLM)."""
+        An end-of-sequence token is yielded last (it counts as generated, as in vLLM); a
+        consumer that set `Usage.finish_reason` to ``"stop"`` got the last one."""
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         ends = frozenset() if params.ignore_eos else self.eos_token_ids
         for step in range(params.max_tokens):
@@ -443,6 +457,10 @@ class Engine:
                 yield token
                 return
             yield token
+            # NOTE: a stop string ended the text: ending here (not closing the generator)
+            # lets the output be cached; it was not, so a next turn quoting it missed
+            if usage.finish_reason == "stop":
+                return
             if step + 1 < params.max_tokens:
                 fed.append(token)
                 logits = await self._run([token], past)
