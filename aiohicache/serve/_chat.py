@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 
+from ..errors import ConfigError
 from .engine import PromptError, Tokenizer
 
 __all__ = ("ROLES", "chat_ids", "check_messages")
@@ -66,6 +67,7 @@ def chat_ids(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
     Raises:
         PromptError: the model has no chat template, or its template refuses the messages
             (most refuse roles out of turn).
+        ConfigError: the template does not parse (the server's fault).
     """
     render: Any = getattr(tokenizer, "render_chat", None)
     if render is not None:  # the byte tokenizer's own plain template
@@ -76,6 +78,8 @@ def chat_ids(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
     try:
         ids = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
             messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except TemplateSyntaxError as exc:  # the server's template, not the client's messages
+        raise ConfigError(f"chat template: does not parse: {exc}") from None
     except (TemplateError, ValueError, TypeError, KeyError) as exc:  # a template's own
         # `raise_exception` is a TemplateError; templates also index and compare what they get
         raise PromptError(f"messages: the chat template refused them: {exc}") from None

@@ -278,6 +278,9 @@ async def _complete(request: web.Request, kind: _Kind) -> web.StreamResponse:
         stream = _flag(body, "stream")
     except (_BadRequest, PromptError) as exc:
         return _error(400, str(exc))
+    except ConfigError as exc:  # the server's set-up (a chat template that does not parse)
+        log.error("completion failed: %s", exc)
+        return _error(500, f"server misconfigured: {exc}", "server_error")
     usage = Usage(prompt_tokens=len(prompt))
     async with aclosing(engine.generate(prompt, params, usage)) as tokens:
         try:
@@ -398,10 +401,19 @@ class _Text:
         return piece
 
     def _held(self) -> int:
-        """How many characters at the end could begin a stop string."""
-        rest = len(self._text) - self._shown
-        return max((k for s in self._stop for k in range(min(len(s) - 1, rest), 0, -1)
-                    if self._text.endswith(s[:k])), default=0)
+        """How many characters at the end could begin a stop string.
+
+        NOTE: only where a stop's first character is: comparing every length of every stop
+        cost O(stop length ** 2) per token (0.55 ms of loop a token with four of 1,024)."""
+        text, held = self._text, 0
+        for stop in self._stop:
+            at = text.find(stop[0], max(self._shown, len(text) - len(stop) + 1))
+            while at >= 0 and len(text) - at > held:
+                if stop.startswith(text[at:]):  # the earliest start holds back the most
+                    held = len(text) - at
+                    break
+                at = text.find(stop[0], at + 1)
+        return held
 
 
 class _Detokenizer:

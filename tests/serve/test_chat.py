@@ -186,6 +186,14 @@ async def test_a_chat_the_template_cannot_render_is_a_400(tokenizer: Any, messag
     assert got["status"] == 400 and message in got["error"]["message"], got
 
 
+async def test_a_chat_template_that_does_not_parse_is_the_servers_error() -> None:
+    """A 500 naming the template: the server's set-up, not the client's messages."""
+    async with engine(word_tokenizer(template="{% for m in messages %}")) as eng, \
+            running_server(eng) as url, aiohttp.ClientSession() as session:
+        got = await post(session, url, "/v1/chat/completions", {"messages": CHAT})
+    assert got["status"] == 500 and "chat template: does not parse" in got["error"]["message"]
+
+
 @pytest.mark.parametrize(("field", "value"), [
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("response_format", {"type": "json_object"}), ("logprobs", True), ("n", 2),

@@ -176,3 +176,22 @@ def test_the_default_tiny_model_has_no_end_of_sequence_token() -> None:
     from aiohicache.serve import ByteTokenizer
     eng = Engine(tiny_llama(seed=5, **MODEL), ByteTokenizer(), EngineConfig())
     assert eng.eos_token_ids == frozenset()
+
+
+def test_the_text_held_back_is_the_longest_tail_that_begins_a_stop_string() -> None:
+    """What a stream holds back, against the definition (every tail length of every stop),
+    on random texts over a small alphabet, where overlaps are common."""
+    import random
+
+    from aiohicache.serve.app import _Text
+    rng = random.Random(7)
+    for _ in range(3000):
+        stops = tuple("".join(rng.choices("ab<>", k=rng.randint(1, 6)))
+                      for _ in range(rng.randint(1, 4)))
+        text = _Text(WordTokenizer(), stops)
+        text._text = "".join(rng.choices("ab<>", k=rng.randint(0, 12)))
+        text._shown = rng.randint(0, len(text._text))
+        rest = len(text._text) - text._shown
+        want = max((k for s in stops for k in range(1, min(len(s) - 1, rest) + 1)
+                    if text._text.endswith(s[:k])), default=0)
+        assert text._held() == want, (stops, text._text, text._shown)
