@@ -218,6 +218,24 @@ def _tree_capacity(capacity: str, page_size: int) -> int:
     return tokens
 
 
+def _cache_options(ctx: click.Context, param: click.Parameter,
+                   values: tuple[str, ...]) -> dict[str, Any]:
+    """``NAME=VALUE`` pairs as a dict, each value read as JSON (a number, true, a list),
+    else kept as the string it is (``eviction=arc``)."""
+    options: dict[str, Any] = {}
+    for item in values:
+        name, eq, text = item.partition("=")
+        if not eq or not name.strip():
+            raise click.BadParameter(f"{item!r} is not NAME=VALUE")
+        if name.strip() in options:
+            raise click.BadParameter(f"{name.strip()!r} is given twice")
+        try:
+            options[name.strip()] = json.loads(text)
+        except ValueError:
+            options[name.strip()] = text
+    return options
+
+
 @cli.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
@@ -229,6 +247,10 @@ def _tree_capacity(capacity: str, page_size: int) -> int:
 @serve_tier_options
 @click.option("--no-cache", is_flag=True,
               help="No cache at all: every prompt is recomputed (a baseline to compare).")
+@click.option("--cache-option", "cache_options", multiple=True, callback=_cache_options,
+              metavar="NAME=VALUE", help="A further HiCacheConfig field for the cache, e.g. "
+              "eviction=arc, write_policy=write_back, prefetch_threshold=64 (VALUE read as "
+              "JSON, else as a string); repeatable.")
 @click.option("--compute-threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="Forward passes that run at once.")
 @click.option("--max-running", type=click.IntRange(min=1), default=8, show_default=True,
@@ -244,8 +266,9 @@ def _tree_capacity(capacity: str, page_size: int) -> int:
                                       "or SIGTERM before they are cancelled.")
 @loop_option
 def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int, l2: int,
-          l3: str, no_cache: bool, compute_threads: int, max_running: int, max_waiting: int,
-          torch_threads: int, seed: int, shutdown_timeout: float, loop: str) -> None:
+          l3: str, no_cache: bool, cache_options: dict[str, Any], compute_threads: int,
+          max_running: int, max_waiting: int, torch_threads: int, seed: int,
+          shutdown_timeout: float, loop: str) -> None:
     """OpenAI-compatible completions server: an HF model generating through the cache.
 
     POST /v1/completions and /v1/chat/completions (streaming and not), GET /metrics
@@ -262,10 +285,12 @@ def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int,
         try:
             config = EngineConfig(page_size=page_size, device_tokens=l1, host_tokens=l2,
                                   storage=storage, use_cache=not no_cache,
+                                  cache_options=cache_options,
                                   compute_threads=compute_threads, max_running=max_running,
                                   max_waiting=max_waiting, torch_threads=torch_threads)
         except ConfigError as exc:  # the tiers: named by their flags
-            flag = {"device_tokens": "--l1", "host_tokens": "--l2"}
+            flag = {"device_tokens": "--l1", "host_tokens": "--l2",
+                    "cache_options": "--cache-option"}
             field_name, _, why = str(exc).partition(": ")
             raise click.BadParameter(why, param_hint=f"'{flag.get(field_name, field_name)}'") \
                 from None
@@ -284,11 +309,11 @@ def _refuse_with_no_cache() -> None:
     """The cache's options with ``--no-cache`` are a usage error: the user meant a cache
     the server would not have (they were ignored, unsaid)."""
     ctx = click.get_current_context()
-    for name in ("page_size", "l1", "l2", "l3"):
+    for name in ("page_size", "l1", "l2", "l3", "cache_options"):
         if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT,
                                                   ParameterSource.DEFAULT_MAP):
-            raise click.UsageError(f"'--{name.replace('_', '-')}' sizes the cache: "
-                                   f"--no-cache has none")
+            flag = "cache-option" if name == "cache_options" else name.replace("_", "-")
+            raise click.UsageError(f"'--{flag}' sets up the cache: --no-cache has none")
 
 
 def _serve_engine(model_path: str | None, seed: int, config: Any) -> tuple[Any, str]:

@@ -13,11 +13,11 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Protocol, Self
+from typing import Any, Protocol, Self
 
 import anyio
 import anyio.to_thread
@@ -114,6 +114,11 @@ class EngineConfig:
     """The cache's namespace (part of every L3 key); None: `weights_namespace` of the
     model, so servers of one model share L3 pages and other models (or other weights of
     one architecture, a fine-tune) never do."""
+    cache_options: Mapping[str, Any] = field(default_factory=dict)
+    """Further `HiCacheConfig` fields for the cache: ``eviction``, ``write_policy``,
+    ``prefetch_threshold`` (the L3 read of prompts shorter than it, 256 tokens by default,
+    is skipped), ... The fields above (tiers, page size, storage, namespace) and the model's
+    (``spec``, ``device``) are the engine's own."""
     torch_threads: int | None = 1
     """torch's intra-op threads (process-wide), set when the engine opens; None leaves it.
     NOTE: 1 by default because the CPU transfer engine's copy thread sets the process-wide
@@ -135,6 +140,7 @@ class EngineConfig:
             check_int("max_waiting", self.max_waiting, low=0)
         if self.torch_threads is not None:  # else torch's RuntimeError when the engine opens
             check_int("torch_threads", self.torch_threads, low=1)
+        _check_cache_options(self.cache_options)
 
 
 class PromptError(ConfigError):
@@ -532,7 +538,26 @@ def cache_config(model: PreTrainedModel, config: EngineConfig) -> HiCacheConfig:
                          device_pages=config.device_tokens // ps,
                          host_pages=config.host_tokens // ps, storage=config.storage,
                          device=str(model.device),
-                         namespace=config.namespace or weights_namespace(model))
+                         namespace=config.namespace or weights_namespace(model),
+                         **config.cache_options)
+
+
+_ENGINE_OWNS = frozenset({"spec", "page_size", "device", "device_pages", "host_pages",
+                          "host_bytes", "host_ratio", "storage", "namespace"})
+"""`HiCacheConfig` fields the engine sets from its own fields and the model."""
+
+
+def _check_cache_options(options: Mapping[str, Any]) -> None:
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"cache_options: a mapping of HiCacheConfig fields, got "
+                          f"{type(options).__name__}")
+    known = {f.name for f in dataclasses.fields(HiCacheConfig) if f.init}
+    for name in options:
+        if name in _ENGINE_OWNS:
+            raise ConfigError(f"cache_options: {name!r} is set by the engine (its tiers, "
+                              f"page size, storage and namespace, and the model)")
+        if name not in known:
+            raise ConfigError(f"cache_options: {name!r} is not a HiCacheConfig field")
 
 
 def weights_namespace(model: PreTrainedModel) -> str:

@@ -488,12 +488,59 @@ def test_the_serve_command_refuses_an_l1_under_one_page() -> None:
 
 
 @pytest.mark.parametrize("option", [["--l1", "4096"], ["--l2", "0"], ["--l3", "tmp"],
-                                    ["--page-size", "32"]])
+                                    ["--page-size", "32"], ["--cache-option", "eviction=arc"]])
 def test_the_serve_command_refuses_cache_options_with_no_cache(option: list[str]) -> None:
     """``--no-cache`` has no cache to size: its options were ignored, unsaid."""
     result = CliRunner().invoke(cli, ["serve", "--no-cache", *option])
     assert result.exit_code == 2
-    assert f"'{option[0]}' sizes the cache: --no-cache has none" in result.output
+    assert f"'{option[0]}' sets up the cache: --no-cache has none" in result.output
+
+
+async def test_cache_options_reach_the_cache() -> None:
+    """`EngineConfig.cache_options` are further `HiCacheConfig` fields: here a prefetch
+    threshold under the default 256 tokens, so a short prompt is read from L3 after a
+    restart (it was not: serve users could not lower it)."""
+    storage = "memory://"
+    backend = backend_from_url(storage, page_format(cache_config(
+        tiny_llama(seed=5, **MODEL), EngineConfig(namespace="n"))))
+    prompt = prompt_of(64, 3)
+    low = {"prefetch_threshold": 16, "eviction": "arc"}
+    for options, from_l3 in ((low, 0), ({}, 0), (low, 63)):  # 63: all but the last token
+        async with engine(storage=backend, namespace="n", cache_options=options) as eng:
+            assert eng.cache is not None
+            assert eng.cache.config.prefetch_threshold == options.get("prefetch_threshold", 256)
+            usage = Usage(prompt_tokens=len(prompt))
+            [t async for t in eng.generate(prompt, SamplingParams(max_tokens=1), usage)]
+            await eng.cache.drain()
+        assert usage.tiers["L3"] == from_l3
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"page_size": 8}, "'page_size' is set by the engine"),
+    ({"storage": "memory://"}, "'storage' is set by the engine"),
+    ({"prefetch_treshold": 8}, "'prefetch_treshold' is not a HiCacheConfig field"),
+    ([("eviction", "arc")], "a mapping"),
+])
+def test_cache_options_the_engine_owns_or_does_not_know_are_refused(options: Any,
+                                                                    message: str) -> None:
+    with pytest.raises(ConfigError, match=f"cache_options: .*{message}"):
+        EngineConfig(cache_options=options)
+
+
+def test_a_bad_cache_option_value_is_refused_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match="prefetch_threshold"):
+        engine(cache_options={"prefetch_threshold": -1})
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--cache-option", "eviction"], "is not NAME=VALUE"),
+    (["--cache-option", "a=1", "--cache-option", "a=2"], "'a' is given twice"),
+    (["--cache-option", "page_size=8"], "'page_size' is set by the engine"),
+])
+def test_the_serve_command_refuses_bad_cache_options(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(cli, ["serve", *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert "--cache-option" in result.output
 
 
 def test_the_serve_command_refuses_an_l3_url_its_store_refuses_in_one_line() -> None:
