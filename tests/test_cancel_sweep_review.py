@@ -470,6 +470,15 @@ async def test_drain_cancelled_anywhere() -> None:
     await sweep(config(), op, setup=on_host)
 
 
+async def close_opened(world: World, where: str) -> HiCache | None:
+    """Close the cache the scenario opened, if it got that far: it must end closed."""
+    opened: HiCache | None = world.extra.get("opened")
+    if opened is not None:
+        await asyncio.wait_for(opened.aclose(), SETTLE)
+        assert "closed" in repr(opened), f"{where}: {opened!r}"
+    return opened
+
+
 async def test_open_cancelled_anywhere() -> None:
     """`HiCache.__aenter__` cancelled at each await point: no worker is left running, the
     cache closes, and a new cache works."""
@@ -479,10 +488,7 @@ async def test_open_cancelled_anywhere() -> None:
         await cache.__aenter__()
 
     async def check(world: World, outcome: Outcome, where: str) -> None:
-        opened: HiCache | None = world.extra.get("opened")
-        if opened is not None:
-            await asyncio.wait_for(opened.aclose(), SETTLE)
-            assert "closed" in repr(opened), f"{where}: {opened!r}"
+        await close_opened(world, where)
         await check_world(world, where)
     await sweep(config(), op, check=check)
 
@@ -502,10 +508,8 @@ async def test_close_cancelled_anywhere() -> None:
         await cache.aclose()
 
     async def check(world: World, outcome: Outcome, where: str) -> None:
-        opened: HiCache | None = world.extra.get("opened")
+        opened = await close_opened(world, where)
         if opened is not None:
-            await asyncio.wait_for(opened.aclose(), SETTLE)
-            assert "closed" in repr(opened), f"{where}: {opened!r}"
             opened.check_invariants()
             assert opened.stats().pending_writes == 0
         await check_world(world, where)
