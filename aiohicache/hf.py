@@ -19,9 +19,10 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -89,12 +90,15 @@ def forward(model: PreTrainedModel, tokens: list[int], past: DynamicCache, *,
             all_logits: bool = False) -> torch.Tensor:
     """One forward pass of `tokens` after what `past` holds (which it extends); blocking.
 
-    Returns ``[1, q, vocab]`` logits: the last position's, or every position's.
+    Returns ``[1, q, vocab]`` logits: the last position's, or every position's. A
+    `PoolCache` records the tokens (`HFAdapter.commit_decoded` checks them).
     """
     ids = torch.tensor([tokens], dtype=torch.int64, device=model.device)
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1,
                     **{cache_kwarg(model): past})
+    if isinstance(past, PoolCache):
+        past.tokens.extend(int(t) for t in tokens)
     logits: torch.Tensor = out.logits
     return logits
 
@@ -187,9 +191,14 @@ class PoolCache(DynamicCache):
     waits for that layer's gate, copies the prefix's K/V from the pool into the placeholder,
     and writes the new tokens' K/V into their leased slots. After `detach` it is a plain
     `DynamicCache` (decode steps grow it as usual).
+
+    Attributes:
+        tokens: the tokens whose KV it holds, in order: the prefix, then those of every pass
+            through `forward` (`HFAdapter.decode`); a pass made another way adds none.
     """
 
-    def __init__(self, config: PretrainedConfig, link: _PoolLink) -> None:
+    def __init__(self, config: PretrainedConfig, link: _PoolLink,
+                 prefix: Sequence[int] = ()) -> None:
         n, spec = len(link.prefix_slots), link.cache.config.spec
         if n:
             pool = link.cache.device_pool
@@ -202,6 +211,7 @@ class PoolCache(DynamicCache):
             super().__init__(config=config)
         self._link: _PoolLink | None = link
         self._filled = [n == 0] * spec.num_layers
+        self.tokens = [int(t) for t in prefix]
 
     def detach(self) -> None:
         """Stop reading from and writing to the pool (the prefill is over)."""
@@ -237,6 +247,25 @@ class PoolCache(DynamicCache):
         pool.v_buffer(layer)[slots] = v[0, :, link.skip:].transpose(0, 1)
 
 
+def _check_fed(past: PoolCache, ids: list[int]) -> None:
+    """Refuse to commit `ids` over KV that is not theirs."""
+    held = past.get_seq_length()
+    if len(ids) > held:
+        # NOTE: the pool's indexed write broadcast the one row there was into two slots:
+        # the last decoded token got the KV of the one before, committed with its page
+        raise ConfigError(f"tokens: {len(ids)} given, the model's cache holds the KV of "
+                          f"{held} (a decoded token has none until it is fed back)")
+    if len(past.tokens) != held:
+        raise ConfigError(f"past: holds the KV of {held} tokens, {len(past.tokens)} of them "
+                          f"fed through HFAdapter.decode or hf.forward: the others are unknown")
+    if ids != past.tokens[:len(ids)]:
+        # NOTE: committed as given: a sampled token replaced after it was fed (a stop
+        # sequence rewritten, a token edited) put the fed token's KV under another's
+        at = next(i for i, (a, b) in enumerate(zip(ids, past.tokens, strict=False)) if a != b)
+        raise ConfigError(f"tokens: position {at} is {ids[at]}, the model was fed "
+                          f"{past.tokens[at]} there")
+
+
 def _check_kv(spec: KVSpec, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
     """Refuse KV the pool cannot hold as is.
 
@@ -266,9 +295,12 @@ class Prefill:
     num_prompt_tokens: int
     tail_slots: torch.Tensor
     """Slots of the prompt's partial last page (leased to the context, empty if none); after
-    `HFAdapter.commit_decoded`, of the committed sequence's partial last page."""
+    `HFAdapter.commit_decoded`, those leased to the context from the committed sequence's
+    last page's start (its partial page, and slots leased for tokens not committed yet)."""
     num_committed_tokens: int
     """Tokens whose KV the context holds: the prompt, then what `commit_decoded` committed."""
+    context: FetchContext | None = field(default=None, repr=False, compare=False)
+    """The context it ran in: `commit_decoded` writes into its leased slots, no other's."""
 
 
 class HFAdapter:
@@ -311,6 +343,7 @@ class HFAdapter:
             raise ConfigError(f"model: its RoPE ({', '.join(dynamic)}) rescales every "
                               f"position with the sequence's length, so a prefix's KV "
                               f"depends on what follows it; only fixed RoPE is supported")
+        _claim(cache, model)
         self.model = model
         self.cache = cache
         self.executor = executor
@@ -340,7 +373,7 @@ class HFAdapter:
         slots = await hit.allocate(len(ids) - cached) if len(ids) > cached else None
         link = _PoolLink(self.cache, hit.device_indices[:reuse], slots, cached - reuse,
                          _LayerGates(self.cache.config.spec.num_layers))
-        past = PoolCache(self.model.config, link)
+        past = PoolCache(self.model.config, link, ids[:reuse])
         logits = await self._run_gated(hit, link, past, ids[reuse:], all_logits)
         past.detach()
         if slots is not None:
@@ -348,7 +381,7 @@ class HFAdapter:
         tail = len(ids) % self.cache.config.page_size
         return Prefill(logits, past, reuse, len(ids),
                        slots[len(slots) - tail:] if slots is not None and tail else
-                       torch.empty(0, dtype=torch.int64), len(ids))
+                       torch.empty(0, dtype=torch.int64), len(ids), hit)
 
     async def _run_gated(self, hit: FetchContext, link: _PoolLink, past: PoolCache,
                          new: list[int], all_logits: bool) -> torch.Tensor:
@@ -393,52 +426,70 @@ class HFAdapter:
         """Store and commit the KV of decoded tokens, so a next turn can hit it.
 
         May be called again as decoding goes on: each call commits what was fed since the
-        last one (`prefill` keeps track).
+        last one (`prefill` keeps track), also after a call that failed or was cancelled.
 
         Args:
             hit: the context `prefill` ran in (still open).
-            prefill: its result; its ``past_key_values`` has been decoded on since.
+            prefill: its result; its ``past_key_values`` has been decoded on since, through
+                `decode` or `forward` (which record the tokens fed).
             tokens: the prompt followed by the tokens fed to the model since (each decoded
                 token but the last, whose KV was never computed).
 
         Raises:
             ConfigError: `hit` is not the context `prefill` ran in, or it committed other
-                tokens since, or `tokens` run past the KV the model's cache holds (the last
-                decoded token, never fed back); nothing is written.
+                tokens since; `tokens` run past the KV the model's cache holds (the last
+                decoded token, never fed back) or are not the tokens fed (a sampled token
+                replaced); or the cache was fed another way than `decode`/`forward`, so its
+                tokens are unknown. Nothing is written.
 
         Cancellation: as `FetchContext.allocate` and `commit`; a copy into the pool under
-        way finishes on its thread first.
+        way finishes on its thread first. The slots leased stay `prefill`'s for a next call.
         """
         ids = [int(t) for t in tokens]
         done = prefill.num_committed_tokens
-        fed = len(ids) - done
-        if fed <= 0:
+        if len(ids) <= done:
             return
-        held = prefill.past_key_values.get_seq_length()
-        if len(ids) > held:
-            # NOTE: the pool's indexed write broadcast the one row there was into two slots:
-            # the last decoded token got the KV of the one before, committed with its page
-            raise ConfigError(f"tokens: {len(ids)} given, the model's cache holds the KV of "
-                              f"{held} (a decoded token has none until it is fed back)")
+        if prefill.context is not hit:
+            # NOTE: the prefill's partial page is its own context's: given a new context of
+            # the same prompt (the old one exited, the page freed and leased again) the
+            # decoded KV was written over another prefix's committed page
+            raise ConfigError("hit: not the context `prefill` ran in (its partial page's "
+                              "slots are that context's lease)")
+        _check_fed(prefill.past_key_values, ids)
         # NOTE: the partial page's slots are ours only while the context still leases them:
         # once a commit took that page (and freed it as a duplicate) they may be another
         # prefix's; a second call with the prompt's tail slots wrote into them.
-        start = done - len(prefill.tail_slots)
+        ps = self.cache.config.page_size
+        start = done - done % ps
         if hit.num_cached_tokens != start:
             raise ConfigError(f"hit: holds {hit.num_cached_tokens} committed tokens, the "
                               f"prefill {start}: not its context, or it committed since")
-        slots = torch.cat([prefill.tail_slots.to(self.cache.device_pool.device),
-                           await hit.allocate(fed)])
+        slots = await self._lease(hit, prefill, len(ids) - start)
         # NOTE: on the executor, as the passes: every layer's K/V of the decoded tokens
         # (2k tokens of a Llama-8B-sized spec on CPU: about 90 ms) held the loop
         await finish_then_cancel(submit_to_thread(
             self._executor(), self._store_decoded, prefill.past_key_values, slots,
             slice(start, len(ids))).wait())
-        await hit.commit(ids, slots)
-        rest = len(ids) % self.cache.config.page_size
-        prefill.tail_slots = slots[len(slots) - rest:] if rest else \
-            torch.empty(0, dtype=torch.int64)
-        prefill.num_committed_tokens = len(ids)
+        try:
+            await hit.commit(ids, slots)
+        finally:
+            if len(hit.tokens) >= len(ids):  # committed (a cancellation may come after)
+                prefill.tail_slots = prefill.tail_slots[len(ids) // ps * ps - start:]
+                prefill.num_committed_tokens = len(ids)
+
+    async def _lease(self, hit: FetchContext, prefill: Prefill, count: int) -> torch.Tensor:
+        """Slots for `count` tokens from the committed prefix's end: those `prefill` holds,
+        then more of the context's.
+
+        NOTE: kept in `prefill` as soon as they are leased: the context hands out each slot
+        once, so a call cancelled past its `allocate` left the next one the slots after them
+        (not a page's start), and its commit was refused: the output never cached.
+        """
+        held = prefill.tail_slots.to(self.cache.device_pool.device)
+        if count > len(held):
+            held = torch.cat([held, await hit.allocate(count - len(held))])
+            prefill.tail_slots = held
+        return held[:count]
 
     def _store_decoded(self, past: DynamicCache, slots: torch.Tensor, span: slice) -> None:
         pool = self.cache.device_pool
@@ -446,6 +497,26 @@ class HFAdapter:
             keys, values = layer_kv(past, layer)
             pool.k_buffer(layer)[slots] = keys[0, :, span].transpose(0, 1)
             pool.v_buffer(layer)[slots] = values[0, :, span].transpose(0, 1)
+
+
+_MODELS: weakref.WeakKeyDictionary[HiCache, weakref.ref[PreTrainedModel]] = \
+    weakref.WeakKeyDictionary()
+"""The model each cache an adapter was made for holds the KV of."""
+
+
+def _claim(cache: HiCache, model: PreTrainedModel) -> None:
+    """Tie `cache` to `model`: its pages are that model's KV, whoever asks.
+
+    NOTE: the tree matches tokens, not models: a second model of the same KV shape (a
+    fine-tune, another seed) adapted to the same cache was served the first one's KV.
+    """
+    served = _MODELS.get(cache)
+    if served is None:
+        _MODELS[cache] = weakref.ref(model)
+    elif served() is not model:
+        raise ConfigError("cache: it holds the KV of another model (a cache's pages are the "
+                          "first adapted model's, matched by tokens alone): give each model "
+                          "its own HiCache")
 
 
 @functools.cache

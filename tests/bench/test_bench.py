@@ -206,7 +206,9 @@ def test_quiet_runtime_leaves_a_freeze_made_before_it_frozen() -> None:
         frozen = gc.get_freeze_count()
         with quiet_runtime():
             pass
-        assert gc.get_freeze_count() >= frozen > 0
+        # NOTE: not `>= frozen`: frozen objects that die meanwhile (a thread of an earlier
+        # test letting go of its objects) leave the count; the bug unfroze them all (0)
+        assert gc.get_freeze_count() > frozen // 2 > 0
     finally:
         gc.unfreeze()
 
