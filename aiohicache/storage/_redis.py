@@ -130,6 +130,8 @@ class RedisBackend:
         self._info_at = -math.inf
         self._memory: tuple[int | None, int | None] = (None, None)
         """(maxmemory, used_memory) as last seen; maxmemory None: no limit."""
+        self._memory_seen = False
+        """Whether a look at the memory succeeded (`_memory` is known)."""
         self._calls = 0
         """Calls in flight: `aclose` closes the pool once none is left."""
         self._idle: anyio.Event | None = None
@@ -200,14 +202,20 @@ class RedisBackend:
             log.debug("redis INFO memory on %s failed: %r", self.url, exc)
             return
         extra = self._stats.extra
-        extra["max_bytes"] = sum(int(cast(int, r.get("maxmemory", 0))) for r in replies)
+        limits = [int(cast(int, r.get("maxmemory", 0))) for r in replies]
+        # NOTE: a primary with no limit (0) makes the cluster's none: summed, the others'
+        # limits were reported as its budget
+        extra["max_bytes"] = sum(limits) if all(limits) else 0
         extra["used_bytes"] = sum(int(cast(int, r.get("used_memory", 0))) for r in replies)
         self._memory = (extra["max_bytes"] or None, extra["used_bytes"])
+        self._memory_seen = True
 
     async def _first_look(self) -> None:
-        """Look at the server's memory if it never was: a cache enters no backend it builds
-        from a URL, and one that only read reported no budget (writes look every 10 s)."""
-        if self._info_at == -math.inf:
+        """Look at the server's memory until a look succeeds (at most every 10 s): a cache
+        enters no backend it builds from a URL, and one that only read reported no budget
+        (writes look every 10 s). NOTE: not only once: a reader whose first look failed (a
+        cluster node down as it started) reported none for good, the cluster healed."""
+        if not self._memory_seen and time.monotonic() - self._info_at > _INFO_INTERVAL_S:
             await self._look_at_memory()  # NOTE: it raises nothing
 
     async def _memory_info(self) -> list[dict[str, object]]:

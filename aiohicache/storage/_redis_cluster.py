@@ -22,6 +22,7 @@ from redis.exceptions import (
     ClusterDownError,
     RedisClusterException,
     RedisError,
+    SlotNotCoveredError,
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -61,9 +62,11 @@ class RedisClusterBackend(RedisBackend):
     partitioned, not yet replaced by its replica) costs only its share of the batch: those
     pages are misses (reads, `exists`) or not stored (writes), each lost node counted in
     `stats().errors` and ``extra["node_failures"]``, while the other nodes' pages are
-    served; only a batch every node of which failed raises `StorageError` (so the cache's
-    breaker opens when the whole cluster is gone). The client re-reads the topology after
-    such errors, so once a replica has taken over, its slots are served again.
+    served; pages in slots no node serves (their node forgotten) are misses too. A call
+    raises `StorageError` only once every primary has failed (each the last time it was
+    asked), so the cache's breaker opens when the whole cluster is gone, not for a batch
+    on the one node down. The client re-reads the topology after such errors, so once a
+    replica has taken over (or the slots are given to a node), they are served again.
 
     Same options as `RedisBackend`; `max_connections` is per node.
     """
@@ -72,6 +75,8 @@ class RedisClusterBackend(RedisBackend):
         self._node_limit = int(settings["max_connections"])
         self._retries = int(settings["retries"])
         self._node_slots: dict[str, anyio.Semaphore] = {}
+        self._failed_nodes: set[str] = set()
+        """Nodes whose last pipeline failed (none answered since)."""
         return cluster_client(url, self.url, **settings)  # type: ignore[arg-type]
 
     _stale_at: float | None = None
@@ -84,12 +89,11 @@ class RedisClusterBackend(RedisBackend):
         await client.initialize()  # learns the slot map once
         await self._refresh_slot_map(client)
         for i, name in enumerate(names):
-            node = client.get_node_from_key(name)
-            groups.setdefault(node.name if node else "", []).append(i)
+            groups.setdefault(_node_name(client, name), []).append(i)
         replies: list[object] = [None] * len(names)
         results = await self._per_node(names, list(groups.values()), add)
         failures: list[BaseException] = []
-        for idx, result in zip(groups.values(), results, strict=True):
+        for (node_name, idx), result in zip(groups.items(), results, strict=True):
             if not isinstance(result, BaseException):
                 lost = [r for r in result if isinstance(r, _NODE_ERRORS)]
                 if lost and len(lost) == len(result):  # every command: the node is gone
@@ -98,12 +102,15 @@ class RedisClusterBackend(RedisBackend):
                 if not isinstance(result, _CLIENT_ERRORS):
                     raise result
                 failures.append(result)
+                self._failed_nodes.add(node_name)
                 result = [result] * len(idx)
+            else:
+                self._failed_nodes.discard(node_name)
             for i, reply in zip(idx, result, strict=True):
                 if raise_on_error and isinstance(reply, Exception) and reply not in failures:
                     raise reply
                 replies[i] = reply
-        self._count_node_failures(failures, len(groups))
+        self._count_node_failures(client, failures, len(groups))
         return replies
 
     async def _per_node(self, names: list[str], groups: list[list[int]],
@@ -152,7 +159,7 @@ class RedisClusterBackend(RedisBackend):
             # its other idle ones are most likely closed too, and the client retries nothing,
             # so each would have failed a call in turn (a healthy cluster opened the breaker)
             assert node is not None
-            await node.disconnect_free_connections()
+            _reconnect_idle(node)
         redirected = [k for k, reply in enumerate(replies) if isinstance(reply, _REDIRECTS)]
         if redirected:
             followed = await self._redirect(names, [idx[k] for k in redirected],
@@ -230,14 +237,20 @@ class RedisClusterBackend(RedisBackend):
             self._stale_at = time.monotonic()
             log.debug("redis cluster %s: re-reading the slot map failed: %r", self.url, exc)
 
-    def _count_node_failures(self, failures: list[BaseException], num_groups: int) -> None:
+    def _count_node_failures(self, client: RedisCluster, failures: list[BaseException],
+                             num_groups: int) -> None:
         if not failures:
             return
         self._stale_at = time.monotonic()
         log.debug("redis cluster %s: %d of %d nodes failed: %r", self.url, len(failures),
                   num_groups, failures[0])
-        if len(failures) == num_groups:
-            raise failures[0]  # nothing got through: the caller's error (and breaker)
+        # NOTE: the caller's error (and breaker) only once every primary has failed: a batch
+        # on the one node down of three (a page or two: a short prompt, a decode's backup)
+        # failed whole, and a few in a row opened the cache's breaker, L3 bypassed while
+        # two nodes of three served
+        primaries = {node.name for node in client.get_primaries()}
+        if len(failures) == num_groups and primaries <= self._failed_nodes:
+            raise failures[0]
         self._stats.errors += len(failures)
         extra = self._stats.extra
         extra["node_failures"] = extra.get("node_failures", 0) + len(failures)
@@ -296,6 +309,32 @@ class RedisClusterBackend(RedisBackend):
             raise errors[0]
         return replies
 
+
+
+def _node_name(client: RedisCluster, name: str) -> str:
+    """The name of the node that owns `name`'s slot; "" for a slot no node serves.
+
+    NOTE: `get_node_from_key` raises for such a slot (its node forgotten, not yet given to
+    another: the cluster serves the other slots): the whole batch failed, every batch of
+    a prompt over it, and the breaker opened. Its pages are a failed node's: misses.
+    """
+    try:
+        node = client.get_node_from_key(name)
+    except SlotNotCoveredError:
+        return ""
+    return node.name if node else ""
+
+
+def _reconnect_idle(node: ClusterNode) -> None:
+    """Have `node`'s idle connections reconnect when next taken.
+
+    NOTE: not `disconnect_free_connections`: it closes them while they stay in the free
+    list, and a pipeline to that node that took one meanwhile wrote to a closed connection
+    (redis-py's AttributeError, not a RedisError: the call failed as a bug, healthy nodes'
+    pages with it). Marked, each is closed by the one call that takes it.
+    """
+    for connection in node._free:
+        connection.mark_for_reconnect()  # type: ignore[no-untyped-call]
 
 
 Recorded = tuple[tuple[object, ...], dict[str, Any]]
