@@ -220,8 +220,8 @@ def _tree_capacity(capacity: str, page_size: int) -> int:
 
 def _cache_options(ctx: click.Context, param: click.Parameter,
                    values: tuple[str, ...]) -> dict[str, Any]:
-    """``NAME=VALUE`` pairs as a dict, each value read as JSON (a number, true, a list),
-    else kept as the string it is (``eviction=arc``)."""
+    """``NAME=VALUE`` pairs as a dict, each value read as JSON (a number, true, a list: as a
+    tuple), else kept as the string it is (``eviction=arc``)."""
     options: dict[str, Any] = {}
     for item in values:
         name, eq, text = item.partition("=")
@@ -230,9 +230,11 @@ def _cache_options(ctx: click.Context, param: click.Parameter,
         if name.strip() in options:
             raise click.BadParameter(f"{name.strip()!r} is given twice")
         try:
-            options[name.strip()] = json.loads(text)
+            value = json.loads(text)
         except ValueError:
-            options[name.strip()] = text
+            value = text
+        # NOTE: JSON has no tuple: a list is one (eviction's (L1, L2) pair was refused)
+        options[name.strip()] = tuple(value) if isinstance(value, list) else value
     return options
 
 
@@ -290,7 +292,7 @@ def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int,
                                   max_waiting=max_waiting, torch_threads=torch_threads)
         except ConfigError as exc:  # the tiers: named by their flags
             flag = {"device_tokens": "--l1", "host_tokens": "--l2",
-                    "cache_options": "--cache-option"}
+                    "cache_options": "--cache-option", "storage": "--l3"}
             field_name, _, why = str(exc).partition(": ")
             raise click.BadParameter(why, param_hint=f"'{flag.get(field_name, field_name)}'") \
                 from None

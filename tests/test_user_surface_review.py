@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import click
 import pytest
 from click.testing import CliRunner
 
@@ -77,15 +76,13 @@ def test_a_replay_config_with_storage_but_no_l2_is_a_config_error() -> None:
 
 def test_serve_refuses_an_l3_with_no_l2_naming_l3() -> None:
     """``aiohicache serve --l2 0 --l3 file:///...`` started and never touched its L3; now the
-    engine's cache config refuses it, named as ``--l3`` (checked before any port is taken)."""
+    engine's config refuses it, named as ``--l3`` (checked before the model loads:
+    tests/test_today_review2.py)."""
     pytest.importorskip("transformers")
-    from aiohicache.cli import _serve_engine
     from aiohicache.serve import EngineConfig
 
-    config = EngineConfig(page_size=16, device_tokens=256, host_tokens=0, storage="memory://")
-    with pytest.raises(click.BadParameter, match="L2") as caught:
-        _serve_engine(None, 0, config)
-    assert caught.value.param_hint == "'--l3'"
+    with pytest.raises(ConfigError, match="storage: .*L2"):
+        EngineConfig(page_size=16, device_tokens=256, host_tokens=0, storage="memory://")
 
 
 # -- the pytest plugin in a user's project ------------------------------------------------------

@@ -195,6 +195,10 @@ class StorageTier(TPResults):
             if self._on_count(job, await self._count_present(job)):
                 assert job.reserved is not None
                 self._on_arrived(job, await self._read(job, job.reserved))
+            else:
+                # NOTE: no read follows (too few pages, or no host room for them): the exists
+                # was the call, and it answered; a half-open breaker's probe stayed undecided
+                self.breaker.record_success()
         except Exception as exc:  # any failure of a prefetch is a miss, never a crash
             self._fail("prefetch", exc)
         finally:

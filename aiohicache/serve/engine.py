@@ -32,6 +32,7 @@ from .. import (
     FetchContext,
     HiCache,
     HiCacheConfig,
+    KVSpec,
     TransferError,
     WorkerError,
 )
@@ -95,7 +96,8 @@ class EngineConfig:
     device_tokens: int = 16384
     """L1 capacity (tokens)."""
     host_tokens: int = 65536
-    """L2 capacity (tokens); 0 for none."""
+    """L2 capacity (tokens); 0 for none (then no `storage`: L3 is read into L2 and written
+    from it)."""
     storage: object = None
     """L3: a URL (``file:///dir``, ``redis://host:port/0``, ``memory://``), a
     `StorageBackend` built for `cache_config`'s page format, or None."""
@@ -117,8 +119,9 @@ class EngineConfig:
     cache_options: Mapping[str, Any] = field(default_factory=dict)
     """Further `HiCacheConfig` fields for the cache: ``eviction``, ``write_policy``,
     ``prefetch_threshold`` (the L3 read of prompts shorter than it, 256 tokens by default,
-    is skipped), ... The fields above (tiers, page size, storage, namespace) and the model's
-    (``spec``, ``device``) are the engine's own."""
+    is skipped), ... The fields above (tiers, page size, storage, namespace), the model's
+    (``spec``, ``device``) and ``tp_rank``/``tp_size`` (one process, one rank) are the
+    engine's own. Checked, values too, when the config is made."""
     torch_threads: int | None = 1
     """torch's intra-op threads (process-wide), set when the engine opens; None leaves it.
     NOTE: 1 by default because the CPU transfer engine's copy thread sets the process-wide
@@ -141,6 +144,11 @@ class EngineConfig:
         if self.torch_threads is not None:  # else torch's RuntimeError when the engine opens
             check_int("torch_threads", self.torch_threads, low=1)
         _check_cache_options(self.cache_options)
+        if self.use_cache and self.storage is not None and self.host_tokens == 0:
+            # NOTE: the cache refuses it, but only once the engine is made: after
+            # `aiohicache serve` had loaded the model
+            raise ConfigError("storage: L3 pages are read into L2 and written from it, and "
+                              "host_tokens 0 leaves no L2; give L2 tokens or no storage")
 
 
 class PromptError(ConfigError):
@@ -543,8 +551,12 @@ def cache_config(model: PreTrainedModel, config: EngineConfig) -> HiCacheConfig:
 
 
 _ENGINE_OWNS = frozenset({"spec", "page_size", "device", "device_pages", "host_pages",
-                          "host_bytes", "host_ratio", "storage", "namespace"})
-"""`HiCacheConfig` fields the engine sets from its own fields and the model."""
+                          "host_bytes", "host_ratio", "storage", "namespace", "tp_rank",
+                          "tp_size"})
+"""`HiCacheConfig` fields the engine sets from its own fields and the model. NOTE: the
+``tp_*`` ranks too: an engine is one process, one rank (``tp_size`` 2 passed every check
+and failed only when the engine opened, after the model had loaded)."""
+_PROBE_SPEC = KVSpec.mha(num_layers=1, num_kv_heads=1, head_dim=1, dtype="fp16")
 
 
 def _check_cache_options(options: Mapping[str, Any]) -> None:
@@ -558,6 +570,14 @@ def _check_cache_options(options: Mapping[str, Any]) -> None:
                               f"page size, storage and namespace, and the model)")
         if name not in known:
             raise ConfigError(f"cache_options: {name!r} is not a HiCacheConfig field")
+    # NOTE: their values too, now, on a stand-in model: a bad one (eviction=bogus) failed
+    # only in `Engine`, after `aiohicache serve` had loaded the model, and named no option
+    # (the device is the model's: a CUDA backend is checked against it then)
+    device = "cuda" if options.get("io_backend") in ("kernel", "direct") else "cpu"
+    try:
+        HiCacheConfig(spec=_PROBE_SPEC, device_pages=1, device=device, **options)
+    except ConfigError as exc:
+        raise ConfigError(f"cache_options: {exc}") from None
 
 
 def weights_namespace(model: PreTrainedModel) -> str:
