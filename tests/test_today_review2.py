@@ -146,3 +146,23 @@ async def test_a_probe_whose_exists_answered_closes_the_breaker_when_no_read_fol
         assert inner.stats().exists_calls == calls + 1  # the store answered
         assert tier.breaker.state == "closed"
         assert cache.stats().health == "ok"
+
+
+async def test_an_l2_of_one_page_still_reads_from_l3() -> None:
+    """The prefetch budget is a fraction of L2 (half by default), at least one page: an L2
+    of one page had a budget of none, so L3 was opened and never read (a config the L3
+    check accepts)."""
+    from aiohicache import HiCache
+    from aiohicache.controller import page_format
+    from aiohicache.storage.memory import MemoryBackend
+    from tests.conftest import make_config, make_tokens, prefill
+
+    l3 = {"prefetch_policy": "wait_complete", "prefetch_threshold": 1, "device_pages": 16}
+    store = MemoryBackend(page_format(make_config(**l3)))
+    prompt = make_tokens(12)
+    async with HiCache(make_config(storage=store, host_pages=32, **l3)) as first:
+        await prefill(first, prompt)  # L3 holds its 3 pages
+        await first.drain()
+    async with HiCache(make_config(storage=store, host_pages=1, **l3)) as cache, \
+            cache.fetch(prompt) as hit:
+        assert hit.num_storage_hit_tokens == 4  # one page: all the L2 there is

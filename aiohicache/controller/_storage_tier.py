@@ -249,7 +249,8 @@ class StorageTier(TPResults):
             self.counters.prefetch_misses += 1
             self._misses.add(job.keys[job.miss_page], self._now())
             return False
-        budget = int(self.host_pool.num_pages * self.config.l3.prefetch_host_fraction)
+        # NOTE: at least a page: an L2 of one page had a budget of none (L3 never read)
+        budget = max(1, int(self.host_pool.num_pages * self.config.l3.prefetch_host_fraction))
         held = sum(len(p) for p in self.reserved_host.values())
         count = min(count, budget - held)
         if count <= 0:
