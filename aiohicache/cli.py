@@ -266,11 +266,15 @@ def _cache_options(ctx: click.Context, param: click.Parameter,
 @click.option("--shutdown-timeout", type=click.FloatRange(0, 3600), default=5.0,
               show_default=True, help="Seconds requests in flight get to finish on Ctrl-C "
                                       "or SIGTERM before they are cancelled.")
+@click.option("--stall-timeout", type=click.FloatRange(0, 3600, min_open=True), default=30.0,
+              show_default=True, help="Seconds a streaming client may take none of its "
+                                      "stream before it is cut off (its turn and pages let "
+                                      "go).")
 @loop_option
 def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int, l2: int,
           l3: str, no_cache: bool, cache_options: dict[str, Any], compute_threads: int,
           max_running: int, max_waiting: int, torch_threads: int, seed: int,
-          shutdown_timeout: float, loop: str) -> None:
+          shutdown_timeout: float, stall_timeout: float, loop: str) -> None:
     """OpenAI-compatible completions server: an HF model generating through the cache.
 
     POST /v1/completions and /v1/chat/completions (streaming and not), GET /metrics
@@ -304,7 +308,8 @@ def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int,
             click.echo(f"aiohicache serve: {name} on {url} ({mode})")  # echo flushes
 
         _serve_until_stopped(functools.partial(run_server, engine, host, port, on_ready=ready,
-                                               shutdown_timeout=shutdown_timeout), loop)
+                                               shutdown_timeout=shutdown_timeout,
+                                               stall_timeout=stall_timeout), loop)
 
 
 def _refuse_with_no_cache() -> None:

@@ -14,9 +14,10 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -90,18 +91,26 @@ class _InFlight:
 
 ENGINE = web.AppKey("engine", Engine)
 _IN_FLIGHT = web.AppKey("in_flight", _InFlight)
+_STALL_TIMEOUT = web.AppKey("stall_timeout", float)
 _TOKENIZING = web.AppKey("tokenizing", anyio.CapacityLimiter)
 """One prompt tokenized off the loop at a time: an HF fast tokenizer is one object that
 refuses ("Already borrowed", tokenizers#537) to change its truncation or padding while
 another thread encodes with it."""
 
 
-def build_app(engine: Engine) -> web.Application:
-    """The aiohttp application serving `engine` (open it before serving)."""
+def build_app(engine: Engine, *, stall_timeout: float = 30.0) -> web.Application:
+    """The aiohttp application serving `engine` (open it before serving).
+
+    A streaming client that takes none of the stream for `stall_timeout` seconds is cut off.
+
+    Raises:
+        ConfigError: `stall_timeout` is not a positive finite number.
+    """
     in_flight = _InFlight()
     app = web.Application(middlewares=[in_flight.middleware])
     app[ENGINE] = engine
     app[_IN_FLIGHT] = in_flight
+    app[_STALL_TIMEOUT] = check_number("stall_timeout", stall_timeout, low=0, low_open=True)
     app[_TOKENIZING] = anyio.CapacityLimiter(1)
     app.add_routes([web.post("/v1/completions", completions),
                     web.post("/v1/chat/completions", chat_completions),
@@ -112,23 +121,29 @@ def build_app(engine: Engine) -> web.Application:
 
 @asynccontextmanager
 async def running_server(engine: Engine, host: str = "127.0.0.1", port: int = 0, *,
-                         shutdown_timeout: float = 5.0) -> AsyncIterator[str]:
+                         shutdown_timeout: float = 5.0,
+                         stall_timeout: float = 30.0) -> AsyncIterator[str]:
     """Serve `engine` on ``host:port`` (0: a free port) while the block runs; yields the base
     URL, e.g. ``http://127.0.0.1:43121``.
 
     Leaving the block stops the server: it stops accepting, gives the requests in flight
     `shutdown_timeout` seconds to finish, cancels the rest (each finishes its forward pass in
-    flight and exits its cache context) and waits for them, so `engine` may close after.
+    flight and exits its cache context) and waits for them, so `engine` may close after;
+    then it drops the connections still open (a client that reads no more).
+
+    A streaming client that takes none of its stream for `stall_timeout` seconds is cut off
+    (its turn, pages and connection are let go).
 
     Raises:
-        ConfigError: `shutdown_timeout` is negative or not finite.
+        ConfigError: `shutdown_timeout` is negative or not finite, or `stall_timeout` not
+            positive.
         ListenError: the server cannot listen on ``host:port``.
 
     Cancellation: the stop above runs to the end all the same, then the cancellation
     propagates.
     """
     grace = check_number("shutdown_timeout", shutdown_timeout, low=0)
-    app = build_app(engine)
+    app = build_app(engine, stall_timeout=stall_timeout)
     # NOTE: aiohttp's own wait (for connections still open once the handlers are done)
     # reads 0 as no limit.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -145,11 +160,13 @@ async def running_server(engine: Engine, host: str = "127.0.0.1", port: int = 0,
 
 
 async def serve(engine: Engine, host: str, port: int, *, on_ready: Any = None,
-                shutdown_timeout: float = 5.0) -> None:
+                shutdown_timeout: float = 5.0, stall_timeout: float = 30.0) -> None:
     """Open `engine` and serve it until cancelled; ``on_ready(url)`` once listening.
+    `stall_timeout`: as `running_server`'s.
 
     Raises:
-        ConfigError: `shutdown_timeout` is negative or not finite.
+        ConfigError: `shutdown_timeout` is negative or not finite, or `stall_timeout` not
+            positive.
         ListenError: the server cannot listen on ``host:port``.
 
     Cancellation: how it ends: the server stops accepting, requests in flight get
@@ -157,8 +174,9 @@ async def serve(engine: Engine, host: str, port: int, *, on_ready: Any = None,
     contexts exit), then the engine and its cache close.
     """
     check_number("shutdown_timeout", shutdown_timeout, low=0)  # before the cache opens
-    async with engine, running_server(engine, host, port,
-                                      shutdown_timeout=shutdown_timeout) as url:
+    check_number("stall_timeout", stall_timeout, low=0, low_open=True)
+    async with engine, running_server(engine, host, port, shutdown_timeout=shutdown_timeout,
+                                      stall_timeout=stall_timeout) as url:
         if on_ready is not None:
             on_ready(url)
         await anyio.sleep_forever()
@@ -178,7 +196,7 @@ async def _listen(runner: web.AppRunner, host: str, port: int) -> str:
 async def _stop(runner: web.AppRunner, in_flight: _InFlight, grace: float) -> None:
     """Stop accepting, give the requests in flight `grace` seconds, cancel the rest and wait
     for them to unwind, then close the connections (nothing they wait for touches the
-    engine any more).
+    engine any more) and drop those a close leaves open.
 
     It takes `grace` at most, plus the time a cancelled handler takes to unwind (the forward
     pass it has in flight), plus aiohttp's close.
@@ -189,11 +207,18 @@ async def _stop(runner: web.AppRunner, in_flight: _InFlight, grace: float) -> No
     for site in list(runner.sites):
         await site.stop()
     in_flight.closed = True
+    assert runner.server is not None
+    # NOTE: taken now, as aiohttp's close forgets them: a closed transport stays open while
+    # it has unsent data, so the socket of a client that reads no more (a stalled stream)
+    # outlived the server, for ever
+    transports = [c.transport for c in runner.server.connections if c.transport is not None]
     with anyio.move_on_after(grace):
         await in_flight.wait()
     in_flight.cancel()
     await in_flight.wait()
     await runner.cleanup()
+    for transport in transports:
+        transport.abort()  # nothing if it closed already
 
 
 def _host_for_url(host: str) -> str:
@@ -314,7 +339,7 @@ async def _complete(request: web.Request, kind: _Kind) -> web.StreamResponse:
 
 
 async def _stream(request: web.Request, head: dict[str, Any], first: int,
-                  tokens: AsyncIterator[int], usage: Usage, body: dict[str, Any],
+                  tokens: AsyncGenerator[int, None], usage: Usage, body: dict[str, Any],
                   text: _Text, kind: _Kind) -> web.StreamResponse:
     """Server-sent events: one chunk per token as soon as it is sampled, a last one with no
     text and the finish reason, then usage if asked for, then ``[DONE]``.
@@ -324,25 +349,67 @@ async def _stream(request: web.Request, head: dict[str, Any], first: int,
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
+    send = _Sender(resp, request.app[_STALL_TIMEOUT])
     head = {**head, "object": kind.chunk_name}
     token: int | None = first
     # NOTE: a count, not `token is first`: ids up to 256 are one object in CPython, so a
     # later token equal to the first was sent as the first (a chat delta with the role again)
     sent = 0
-    while token is not None:
-        piece = kind.chunk(text.push(token, usage), None, sent == 0)
-        await _event(resp, {**head, "choices": [piece], "token_ids": [token]})
-        sent += 1
-        token = await anext(tokens, None)  # as in `_complete`
-    last = kind.chunk(text.flush(), text.finish_reason(usage), False)
-    await _event(resp, {**head, "choices": [last], "token_ids": []})
-    options = body.get("stream_options") or {}
-    if isinstance(options, dict) and options.get("include_usage"):
-        await _event(resp, {**head, "choices": [], "usage": _usage(usage),
-                            "aiohicache": {"cached_tiers": usage.tiers}})
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+    try:
+        while token is not None:
+            piece = kind.chunk(text.push(token, usage), None, sent == 0)
+            await send.event({**head, "choices": [piece], "token_ids": [token]})
+            sent += 1
+            token = await anext(tokens, None)  # as in `_complete`
+        last = kind.chunk(text.flush(), text.finish_reason(usage), False)
+        await send.event({**head, "choices": [last], "token_ids": []})
+        options = body.get("stream_options") or {}
+        if isinstance(options, dict) and options.get("include_usage"):
+            await send.event({**head, "choices": [], "usage": _usage(usage),
+                              "aiohicache": {"cached_tiers": usage.tiers}})
+        await send(b"data: [DONE]\n\n")
+        await send.eof()
+    except _Stalled as exc:
+        # NOTE: the generation is closed (its turn, pages and leases let go) before the
+        # connection goes, so a disconnect cancels no cleanup. A client that stopped reading
+        # held them for as long as it kept its connection open: `max_running` such clients
+        # starved every other request
+        await tokens.aclose()
+        if request.transport is not None:
+            request.transport.abort()
+        log.info("cut off a streaming client: %s", exc)
     return resp
+
+
+class _Stalled(Exception):
+    """A streaming client took none of the stream for the stall timeout."""
+
+
+class _Sender:
+    """Writes to a stream; a write that waits `timeout` seconds for the client to take
+    data raises `_Stalled`. (A write waits only while more than aiohttp's high-water mark,
+    64 KiB, is unsent: a client must read about 48 KiB per `timeout`.)"""
+
+    __slots__ = ("_resp", "_timeout")
+
+    def __init__(self, resp: web.StreamResponse, timeout: float) -> None:
+        self._resp, self._timeout = resp, timeout
+
+    async def __call__(self, data: bytes) -> None:
+        await self._bounded(self._resp.write(data))
+
+    async def event(self, data: dict[str, Any]) -> None:
+        await self(b"data: " + json.dumps(data).encode() + b"\n\n")
+
+    async def eof(self) -> None:
+        await self._bounded(self._resp.write_eof())
+
+    async def _bounded(self, write: Awaitable[None]) -> None:
+        try:
+            async with asyncio.timeout(self._timeout):  # NOTE: anyio's scope costs 2x (17 us)
+                await write
+        except TimeoutError:
+            raise _Stalled(f"it took no data for {self._timeout:g} s") from None
 
 
 class _Text:
@@ -455,10 +522,6 @@ class _Detokenizer:
         return self._decode(self._ids[self._prefix:])[len(shown):]
 
 
-async def _event(resp: web.StreamResponse, data: dict[str, Any]) -> None:
-    await resp.write(b"data: " + json.dumps(data).encode() + b"\n\n")
-
-
 async def metrics(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     return web.Response(text=engine.metrics.render(engine.cache),
@@ -484,6 +547,9 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # too deep: recursion
         raise _BadRequest("the body must be a JSON object") from None
+    except ValueError:  # NOTE: a 500, and a traceback logged, each time
+        raise _BadRequest(f"the body: a number of more than {sys.get_int_max_str_digits()} "
+                          f"digits") from None  # the one other error json.loads raises
     if not isinstance(body, dict):
         raise _BadRequest("the body must be a JSON object")
     return body
