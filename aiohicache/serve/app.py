@@ -348,7 +348,6 @@ async def _stream(request: web.Request, head: dict[str, Any], first: int,
     token's decode step (time to first token included one)."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
-    await resp.prepare(request)
     send = _Sender(resp, request.app[_STALL_TIMEOUT])
     head = {**head, "object": kind.chunk_name}
     token: int | None = first
@@ -356,6 +355,7 @@ async def _stream(request: web.Request, head: dict[str, Any], first: int,
     # later token equal to the first was sent as the first (a chat delta with the role again)
     sent = 0
     try:
+        await resp.prepare(request)
         while token is not None:
             piece = kind.chunk(text.push(token, usage), None, sent == 0)
             await send.event({**head, "choices": [piece], "token_ids": [token]})
@@ -378,6 +378,15 @@ async def _stream(request: web.Request, head: dict[str, Any], first: int,
         if request.transport is not None:
             request.transport.abort()
         log.info("cut off a streaming client: %s", exc)
+    except ConnectionResetError:
+        # NOTE: the client went away (a user who stops a chat's answer). Its handler is
+        # cancelled as the loop learns the connection is lost, but where the next token was
+        # ready in the same turn as the client's end of stream, the write to the closing
+        # transport raised first: aiohttp logged "Error handling request" and a traceback at
+        # ERROR for an ordinary disconnect. Returned, aiohttp drops the response quietly.
+        if request.transport is not None and not request.transport.is_closing():
+            raise  # not the client's connection
+        log.debug("the client of a stream went away")
     return resp
 
 
