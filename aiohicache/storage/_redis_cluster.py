@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import anyio
 from redis.asyncio import Redis
@@ -28,9 +30,12 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .._validate import check_number
 from ..errors import ConfigError
+from ._node_circuits import NodeCircuits, NodeSkippedError
 from ._redis import Add, RedisBackend
 from ._redis_parts import CLUSTER_SCHEMES, Blob, check_query, safe_reason
+from .base import PageFormat
 from .errors import StorageWriteError
 
 __all__ = ("RedisClusterBackend",)
@@ -45,6 +50,8 @@ _REDIRECTS = (AskError, TryAgainError)
 _CLIENT_ERRORS = (RedisError, RedisClusterException, OSError)
 """Errors of the client for a failed call (`RedisClusterException`, no seed reachable or
 no slot map, is not a `RedisError`)."""
+NODE_COOLDOWN_S = 10.0
+"""Default seconds a node that timed out is skipped (the cache's `storage_cooldown` default)."""
 
 
 class RedisClusterBackend(RedisBackend):
@@ -68,30 +75,53 @@ class RedisClusterBackend(RedisBackend):
     on the one node down. The client re-reads the topology after such errors, so once a
     replica has taken over (or the slots are given to a node), they are served again.
 
-    Same options as `RedisBackend`; `max_connections` is per node.
+    A node that times out (hung, not dead: stopped, overloaded, a host that does not
+    answer) is skipped for `node_cooldown` seconds: its pages are a failed node's at once
+    (counted in ``extra["nodes_skipped"]`` too), not after a `socket_timeout` each call;
+    then one call asks it again (the probe), and its answer ends the skipping.
+
+    Same options as `RedisBackend` (`max_connections` is per node), and:
+
+    Args:
+        node_cooldown: seconds a node that timed out is skipped (default 10, as the
+            cache's `storage_cooldown`); also ``?node_cooldown=`` in the URL.
+
+    Raises:
+        ConfigError: a bad URL or setting, or `node_cooldown` given both ways.
     """
 
+    def __init__(self, url: str, fmt: PageFormat, *, node_cooldown: float | None = None,
+                 **options: Any) -> None:
+        self._node_cooldown = node_cooldown
+        super().__init__(url, fmt, **options)
+
     def _connect(self, url: str, **settings: float) -> Redis | RedisCluster:
+        url, cooldown = take_cooldown(url, self.url, self._node_cooldown)
+        self._circuits = NodeCircuits(cooldown)
         self._node_limit = int(settings["max_connections"])
         self._retries = int(settings["retries"])
         self._node_slots: dict[str, anyio.Semaphore] = {}
         self._failed_nodes: set[str] = set()
-        """Nodes whose last pipeline failed (none answered since)."""
+        """Nodes whose last pipeline failed or was skipped (none answered since)."""
         return cluster_client(url, self.url, **settings)  # type: ignore[arg-type]
 
-    _stale_at: float | None = None
-    """When a node last failed (the slot map may be stale: re-read it before the next call)."""
+    _stale = False
+    """A node failed since the slot map was last read (it may be stale: a replica may have
+    taken over)."""
+    _read_at = -math.inf
+    """When the backend last tried to read the slot map again."""
 
     async def _pipelined(self, names: list[str], add: Add, *,
                          raise_on_error: bool = True) -> list[object]:
         client = cast(RedisCluster, self._client)
         groups: dict[str, list[int]] = {}
-        await client.initialize()  # learns the slot map once
+        with self._answering_seeds(client, at_least_one=True):
+            await client.initialize()  # learns the slot map once
         await self._refresh_slot_map(client)
         for i, name in enumerate(names):
             groups.setdefault(_node_name(client, name), []).append(i)
         replies: list[object] = [None] * len(names)
-        results = await self._per_node(names, list(groups.values()), add)
+        results = await self._per_node(names, groups, add)
         failures: list[BaseException] = []
         for (node_name, idx), result in zip(groups.items(), results, strict=True):
             if not isinstance(result, BaseException):
@@ -113,21 +143,30 @@ class RedisClusterBackend(RedisBackend):
         self._count_node_failures(client, failures, len(groups))
         return replies
 
-    async def _per_node(self, names: list[str], groups: list[list[int]],
+    async def _per_node(self, names: list[str], groups: dict[str, list[int]],
                         add: Add) -> list[list[object] | BaseException]:
         """Each node's pipeline, all at once: its replies, or the exception it raised (for
-        the caller to judge: a lost node costs only its own pages)."""
+        the caller to judge: a lost node costs only its own pages); a `NodeSkippedError`
+        for a node skipped after a timeout."""
         results: list[list[object] | BaseException] = [[] for _ in groups]
 
-        async def one(k: int, idx: list[int]) -> None:
-            try:
-                results[k] = await self._node_pipeline(names, idx, add)
-            except Exception as exc:  # judged by _pipelined (a lost node costs its pages)
-                results[k] = exc
+        async def one(k: int, node_name: str, idx: list[int]) -> None:
+            pipeline = functools.partial(self._node_pipeline, names, idx, add)
+            if not node_name:  # slots no node serves: not a node to skip
+                try:
+                    results[k] = await pipeline()
+                except Exception as exc:  # judged by _pipelined
+                    results[k] = exc
+                return
+            results[k] = await self._circuits.call(node_name, pipeline)
 
         async with anyio.create_task_group() as tg:
-            for k, idx in enumerate(groups):
-                tg.start_soon(one, k, idx)
+            for k, (node_name, idx) in enumerate(groups.items()):
+                tg.start_soon(one, k, node_name, idx)
+        skipped = sum(isinstance(result, NodeSkippedError) for result in results)
+        if skipped:
+            extra = self._stats.extra
+            extra["nodes_skipped"] = extra.get("nodes_skipped", 0) + skipped
         return results
 
     async def _node_pipeline(self, names: list[str], idx: list[int], add: Add) -> list[object]:
@@ -221,27 +260,61 @@ class RedisClusterBackend(RedisBackend):
 
     async def _refresh_slot_map(self, client: RedisCluster) -> None:
         """After a node failed, re-read the slot map (at most every 0.25 s): a replica may
-        have taken over its slots.
+        have taken over its slots. Nodes being skipped after a timeout are not asked.
 
         NOTE: redis-py would refresh it by closing every connection of the client and
         retrying the whole pipeline; with one pipeline per node in flight at once, that
         would fail the healthy nodes' pipelines too, so the client retries nothing
         (``retries`` applies to single commands) and the map is refreshed here instead.
         """
-        if self._stale_at is None or time.monotonic() - self._stale_at < 0.25:
+        # NOTE: every 0.25 s from the last read, not from the last failure: calls that came
+        # more often (each failing on the node down, each renewing the time) never read it,
+        # and a cache that only read served none of a failed-over primary's pages for good
+        if not self._stale or time.monotonic() - self._read_at < 0.25:
             return
-        self._stale_at = None
+        self._stale = False
+        self._read_at = time.monotonic()
+        with self._answering_seeds(client, at_least_one=False) as any_seed:
+            try:
+                if not any_seed:  # every node timed out: their probes will tell
+                    raise RedisClusterException("every node timed out")
+                await client.nodes_manager.initialize()
+            except _CLIENT_ERRORS as exc:
+                self._stale = True
+                log.debug("redis cluster %s: re-reading the slot map failed: %r", self.url,
+                          exc)
+
+    @contextmanager
+    def _answering_seeds(self, client: RedisCluster, *, at_least_one: bool) -> Iterator[bool]:
+        """While in the block, the client reads the slot map only from nodes that have not
+        timed out (`NodeCircuits.failing`); with `at_least_one`, from every node if each
+        has. Yields whether a node is left to read it from.
+
+        NOTE: redis-py asks its seeds (every node it knows) in random order, each until one
+        answers: a hung node asked first held the call `socket_timeout` while its pages were
+        being skipped (a re-read in three, of three nodes), and with every primary hung,
+        each re-read waited for every one of them. (`at_least_one` for the client's first
+        read, or a read again after one of its own commands failed: without a map, no call
+        could ever probe a node again.)
+        """
+        seeds = client.nodes_manager.startup_nodes
+        failing = self._circuits.failing()
+        if at_least_one and failing.issuperset(seeds):
+            failing = set()
+        aside = {name: seeds.pop(name) for name in failing if name in seeds}
         try:
-            await client.nodes_manager.initialize()
-        except _CLIENT_ERRORS as exc:
-            self._stale_at = time.monotonic()
-            log.debug("redis cluster %s: re-reading the slot map failed: %r", self.url, exc)
+            yield bool(seeds)
+        finally:
+            # NOTE: each back as it was, over the node a map just read may have added under
+            # its name: a seed from the URL is a node object of its own, with connections
+            # (dropped, they were left open)
+            seeds.update(aside)
 
     def _count_node_failures(self, client: RedisCluster, failures: list[BaseException],
                              num_groups: int) -> None:
         if not failures:
             return
-        self._stale_at = time.monotonic()
+        self._stale = True
         log.debug("redis cluster %s: %d of %d nodes failed: %r", self.url, len(failures),
                   num_groups, failures[0])
         # NOTE: the caller's error (and breaker) only once every primary has failed: a batch
@@ -291,16 +364,27 @@ class RedisClusterBackend(RedisBackend):
         and a pipeline then found its node's pool empty (MaxConnectionsError: a node lost).
         """
         client = cast(RedisCluster, self._client)
-        await client.initialize()
+        with self._answering_seeds(client, at_least_one=True):
+            await client.initialize()
         replies: list[dict[str, object]] = []
         errors: list[Exception] = []
 
         async def one(node: ClusterNode) -> None:
-            try:
+            async def info() -> dict[str, object]:
                 async with self._slots(node.name):
-                    replies.append(await client.info("memory", target_nodes=node))
-            except _CLIENT_ERRORS as exc:
-                errors.append(exc)
+                    return cast(dict[str, object], await node.execute_command("INFO", "memory"))
+
+            # NOTE: through the node's circuit: a hung node held a write (the look every
+            # 10 s) or a reader's first call `socket_timeout`, however long it was skipped.
+            # And on the node, not through the client: after a timeout the client reads the
+            # slot map again at its next command, from every node (see _answering_seeds)
+            reply = await self._circuits.call(node.name, info)
+            if not isinstance(reply, Exception):
+                replies.append(reply)
+            elif isinstance(reply, _CLIENT_ERRORS):
+                errors.append(reply)
+            else:
+                raise reply
 
         async with anyio.create_task_group() as tg:
             for node in client.get_primaries():
@@ -359,8 +443,41 @@ def check_options(url: str, safe_url: str) -> None:
     """Raise `ConfigError` for a query option of a cluster URL that the cluster client (or
     the backend) refuses: what `cluster_client` would raise, connecting nowhere (the client
     connects at its first command)."""
+    url, _ = take_cooldown(url, safe_url, None)
     cluster_client(url, safe_url, socket_timeout=1.0, connect_timeout=1.0, max_connections=1,
                    retries=0)
+
+
+def take_cooldown(url: str, safe_url: str, given: float | None) -> tuple[str, float]:
+    """`url` without its ``node_cooldown`` query option (the backend's, not redis-py's),
+    and the cool-down: the URL's, else `given`, else `NODE_COOLDOWN_S`.
+
+    Raises:
+        ConfigError: not seconds >= 0, or given twice (in the URL, or also as `given`).
+    """
+    default = NODE_COOLDOWN_S if given is None else check_number("node_cooldown", given,
+                                                                   low=0.0)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # cluster_client says what is wrong
+        return url, default
+    options = parts.query.split("&") if parts.query else []
+    values = [unquote(o.partition("=")[2]) for o in options
+              if unquote(o.partition("=")[0]) == "node_cooldown"]
+    if not values:
+        return url, default
+    if len(values) > 1 or given is not None:
+        raise ConfigError(f"url {safe_url!r}: node_cooldown is given twice")
+    try:
+        seconds: object = float(values[0])
+    except ValueError:
+        seconds = values[0]
+    try:
+        cooldown = check_number("node_cooldown", seconds, low=0.0)
+    except ConfigError as exc:
+        raise ConfigError(f"url {safe_url!r}: {exc}") from None
+    rest = "&".join(o for o in options if unquote(o.partition("=")[0]) != "node_cooldown")
+    return urlunsplit(parts._replace(query=rest)), cooldown
 
 
 def cluster_client(url: str, safe_url: str, *, socket_timeout: float,

@@ -8,6 +8,7 @@
     backend_from_url("file:relative/dir", fmt)          # relative to the working directory
     backend_from_url("redis://:pw@host:6379/0", fmt)     # also rediss:// (TLS)
     backend_from_url("redis+cluster://host1:7000,host2:7001", fmt)   # Redis/Valkey Cluster
+    backend_from_url("redis+cluster://host1:7000?node_cooldown=5", fmt)  # skip a hung node 5 s
     backend_from_url(my_backend, fmt)                    # any StorageBackend, as is
 
 A memory or file URL's query sets its options (`URL_OPTIONS`; sizes take a K/M/G/T suffix,
