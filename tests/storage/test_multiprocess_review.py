@@ -411,9 +411,12 @@ def test_processes_killed_mid_call_on_one_redis_server_leave_only_right_pages(
     from aiohicache._redis_server import RedisServer
     from aiohicache.storage.redis import RedisBackend
     with RedisServer() as server:
-        run = Run("redis", server.url(), 21)
-        run.run(3.0 * STRESS)
-        assert not run.problems, run.problems
+        for seed in (21, 22, 23):  # NOTE: on a loaded machine a run may end before a kill
+            run = Run("redis", server.url(), seed)
+            run.run(3.0 * STRESS)
+            assert not run.problems, run.problems
+            if run.killed:
+                break
         assert run.killed > 0 and run.generations > run.slots  # some restarted
 
         async def verify() -> None:
