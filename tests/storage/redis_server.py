@@ -7,15 +7,19 @@ without redis-server on PATH they fail, with a message saying how to install it.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import random
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import pytest
 import redis
 
 from aiohicache._redis_server import LocalCluster, RedisServer, RedisServerError
 
-__all__ = ("corrupt_object", "raw_client", "redis_server", "redis_url", "shared_cluster",
-           "shared_server", "started")
+__all__ = ("corrupt_object", "disturb", "raw_client", "redis_server", "redis_url",
+           "running_cluster", "shared_cluster", "shared_server", "started")
 
 _shared: RedisServer | None = None
 _shared_cluster: LocalCluster | None = None
@@ -28,6 +32,36 @@ def started(server: RedisServer) -> RedisServer:
     except RedisServerError as exc:
         pytest.fail(str(exc), pytrace=False)
     return server
+
+
+@contextmanager
+def running_cluster(cluster: LocalCluster) -> Iterator[LocalCluster]:
+    """`cluster`, running until the block ends; a missing redis fails (never skips)."""
+    try:
+        cluster.start()
+    except RedisServerError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+async def disturb(client: redis.Redis, chaos: str, stop: asyncio.Event, rng: random.Random, *,
+                  policy: str, limits: Sequence[str]) -> None:
+    """Until `stop` is set, every few milliseconds: FLUSHALL (sync or async) when `chaos` is
+    ``"flushall"``, kill the other clients' connections for ``"client_kill"``, otherwise set
+    ``maxmemory`` to one of `limits` under eviction `policy`; then lift the limit."""
+    client.config_set("maxmemory-policy", policy)
+    while not stop.is_set():
+        await asyncio.sleep(rng.uniform(0.0, 0.02))
+        if chaos == "flushall":
+            client.flushall(asynchronous=rng.random() < 0.5)
+        elif chaos == "client_kill":
+            client.client_kill_filter(_type="normal", skipme=True)
+        else:
+            client.config_set("maxmemory", rng.choice(list(limits)))
+    client.config_set("maxmemory", 0)
 
 
 def shared_server() -> RedisServer:

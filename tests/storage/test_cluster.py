@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import redis
 
-from aiohicache._redis_server import LocalCluster, RedisServer, RedisServerError
+from aiohicache._redis_server import LocalCluster, RedisServer
 from aiohicache.storage import _redis as redis_module
 from aiohicache.storage import backend_from_url
 from aiohicache.storage.errors import StorageError, StorageReadError, StorageWriteError
@@ -22,20 +22,7 @@ from aiohicache.storage.redis import RedisClusterBackend
 from .conftest import FMT, make_keys, make_page
 from .conftest import page_views as pages
 from .conftest import read_pages as read
-from .redis_server import shared_cluster
-
-
-@contextmanager
-def started(cluster: LocalCluster) -> Iterator[LocalCluster]:
-    """`cluster`, running until the block ends; a missing redis fails (never skips)."""
-    try:
-        cluster.start()
-    except RedisServerError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+from .redis_server import running_cluster, shared_cluster
 
 
 @pytest.fixture(scope="session")
@@ -140,7 +127,7 @@ async def test_moved_and_ask_redirections_are_followed(cluster: LocalCluster) ->
 
 async def test_a_killed_primary_costs_its_pages_until_its_replica_takes_over() -> None:
     keys = make_keys(300, seed=13)
-    with started(LocalCluster()) as own:
+    with running_cluster(LocalCluster()) as own:
         async with RedisClusterBackend(own.url(), FMT, socket_timeout=1.0,
                                        connect_timeout=0.5) as backend:
             assert await backend.set_from(keys, pages(keys)) == [True] * 300
@@ -211,7 +198,7 @@ def slot_of(client: object, name: str) -> int:
 async def every_node_killed(keys: list[str]) -> AsyncIterator[RedisClusterBackend]:
     """A backend on a cluster of its own that stored `keys`, every node of which was then
     killed."""
-    with started(LocalCluster(replicas=0)) as own:
+    with running_cluster(LocalCluster(replicas=0)) as own:
         async with RedisClusterBackend(own.url(), FMT, socket_timeout=0.5,
                                        connect_timeout=0.5) as backend:
             assert await backend.set_from(keys, pages(keys)) == [True] * len(keys)
@@ -327,7 +314,7 @@ async def test_an_ask_to_a_node_that_joined_after_the_start_is_followed() -> Non
     """The client did not know the node yet (a scale-out): every page of the migrating
     slot missed, writes were refused and `exists` raised."""
     keys = make_keys(4, seed=20)
-    with started(LocalCluster(replicas=0)) as own:
+    with running_cluster(LocalCluster(replicas=0)) as own:
         joining = RedisServer(extra_args=own.nodes[0].extra_args)
         async with RedisClusterBackend(own.url(), FMT) as backend:
             assert await backend.set_from(keys, pages(keys)) == [True] * 4

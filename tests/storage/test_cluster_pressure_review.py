@@ -16,8 +16,7 @@ import logging
 import random
 import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,7 @@ import redis
 from redis.crc import key_slot
 
 from aiohicache import HiCache
-from aiohicache._redis_server import LocalCluster, RedisServer, RedisServerError
+from aiohicache._redis_server import LocalCluster, RedisServer
 from aiohicache.storage import _redis as redis_module
 from aiohicache.storage.errors import StorageError
 from aiohicache.storage.redis import RedisClusterBackend
@@ -36,7 +35,7 @@ from tests.conftest import make_tokens
 from .conftest import FMT, make_keys, make_page
 from .conftest import page_views as pages
 from .conftest import read_pages as read
-from .redis_server import shared_cluster
+from .redis_server import disturb, running_cluster, shared_cluster
 
 L3: dict[str, Any] = {"prefetch_policy": "wait_complete", "prefetch_threshold": 4,
                       "device_pages": 64, "host_pages": 256}
@@ -44,18 +43,9 @@ READER: dict[str, Any] = {**L3, "backup_threshold": 1000}
 """A cache that only reads L3 (it backs nothing up)."""
 
 
-@contextmanager
-def own_cluster(*, replicas: int) -> Iterator[LocalCluster]:
+def own_cluster(*, replicas: int) -> AbstractContextManager[LocalCluster]:
     """A cluster of 3 primaries of the test's own (it damages it); never a skip."""
-    cluster = LocalCluster(replicas=replicas)
-    try:
-        cluster.start()
-    except RedisServerError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+    return running_cluster(LocalCluster(replicas=replicas))
 
 
 def raw(port: int) -> redis.Redis:
@@ -401,23 +391,15 @@ async def test_chaos_on_one_node_mid_run_never_serves_wrong_kv_and_the_cache_rec
         victim = cluster.nodes[1]
         stop = asyncio.Event()
 
-        async def disturb() -> int:
+        async def chaos_loop() -> int:
             if chaos == "migrate":
                 return await migrate_slots(cluster, stop, rng)
             with raw(victim.port) as client:
-                client.config_set("maxmemory-policy", "allkeys-lru")
-                while not stop.is_set():
-                    await asyncio.sleep(rng.uniform(0.0, 0.02))
-                    if chaos == "flushall":
-                        client.flushall(asynchronous=rng.random() < 0.5)
-                    elif chaos == "client_kill":
-                        client.client_kill_filter(_type="normal", skipme=True)
-                    else:
-                        client.config_set("maxmemory", rng.choice(["1200kb", "1500kb", "0"]))
-                client.config_set("maxmemory", 0)
+                await disturb(client, chaos, stop, rng, policy="allkeys-lru",
+                              limits=["1200kb", "1500kb", "0"])
             return 1
 
-        task = asyncio.ensure_future(disturb())
+        task = asyncio.ensure_future(chaos_loop())
         try:
             await serve_two_caches(url, batch)
         finally:

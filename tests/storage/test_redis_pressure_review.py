@@ -21,7 +21,7 @@ from aiohicache._redis_server import RedisServer
 from aiohicache.testing import KVOracle, small_config
 from tests.conftest import make_tokens
 
-from .redis_server import started
+from .redis_server import disturb, started
 
 L3: dict[str, Any] = {"prefetch_policy": "wait_complete", "prefetch_threshold": 4,
                       "device_pages": 64, "host_pages": 256}
@@ -219,18 +219,9 @@ async def test_chaos_on_the_server_mid_run_never_serves_wrong_kv_and_the_cache_r
              for _ in range(120)]
     stop = asyncio.Event()
 
-    async def disturb() -> None:
+    async def chaos_loop() -> None:
         with raw(server) as r:
-            r.config_set("maxmemory-policy", "noeviction")
-            while not stop.is_set():
-                await asyncio.sleep(rng.uniform(0.0, 0.02))
-                if chaos == "flushall":
-                    r.flushall(asynchronous=rng.random() < 0.5)
-                elif chaos == "client_kill":
-                    r.client_kill_filter(_type="normal", skipme=True)
-                else:
-                    r.config_set("maxmemory", rng.choice(["1mb", "1200kb", "0"]))
-            r.config_set("maxmemory", 0)
+            await disturb(r, chaos, stop, rng, policy="noeviction", limits=["1mb", "1200kb", "0"])
 
     async with HiCache(cfg) as a, HiCache(cfg) as b:
         oracles = [KVOracle(a), KVOracle(b)]
@@ -239,7 +230,7 @@ async def test_chaos_on_the_server_mid_run_never_serves_wrong_kv_and_the_cache_r
             for tokens in batch[k::4]:
                 await oracles[k % 2].prefill(tokens)
 
-        task = asyncio.ensure_future(disturb())
+        task = asyncio.ensure_future(chaos_loop())
         await asyncio.gather(*(serve(k) for k in range(4)))
         stop.set()
         await task
