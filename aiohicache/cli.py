@@ -245,6 +245,9 @@ def _cache_options(ctx: click.Context, param: click.Parameter,
 @click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False),
               default=None, help="A local HF checkpoint directory (default: a tiny random "
                                  "Llama built in-process; nothing is downloaded).")
+@click.option("--served-model-name", default=None,
+              help="The name requests' `model` must give, and /v1/models lists (default: "
+                   "the checkpoint directory's name, or tiny-llama).")
 @click.option("--page-size", type=click.IntRange(1, 256), default=16, show_default=True)
 @serve_tier_options
 @click.option("--no-cache", is_flag=True,
@@ -270,11 +273,17 @@ def _cache_options(ctx: click.Context, param: click.Parameter,
               show_default=True, help="Seconds a streaming client may take none of its "
                                       "stream before it is cut off (its turn and pages let "
                                       "go).")
+@click.option("--read-timeout", type=click.FloatRange(0, 3600, min_open=True), default=60.0,
+              show_default=True, help="Seconds a client may take to send a request's "
+                                      "headers (an idle connection is closed then), and as "
+                                      "long again for its body (then a 408).")
 @loop_option
-def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int, l2: int,
+def serve(host: str, port: int, model_path: str | None, served_model_name: str | None,
+          page_size: int, l1: int, l2: int,
           l3: str, no_cache: bool, cache_options: dict[str, Any], compute_threads: int,
           max_running: int, max_waiting: int, torch_threads: int, seed: int,
-          shutdown_timeout: float, stall_timeout: float, loop: str) -> None:
+          shutdown_timeout: float, stall_timeout: float, read_timeout: float,
+          loop: str) -> None:
     """OpenAI-compatible completions server: an HF model generating through the cache.
 
     POST /v1/completions and /v1/chat/completions (streaming and not), GET /metrics
@@ -301,7 +310,7 @@ def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int,
             raise click.BadParameter(why, param_hint=f"'{flag.get(field_name, field_name)}'") \
                 from None
 
-        engine, name = _serve_engine(model_path, seed, config)
+        engine, name = _serve_engine(model_path, seed, config, served_model_name)
 
         def ready(url: str) -> None:
             mode = "no cache (recompute)" if no_cache else f"cache L1={l1} L2={l2} tokens, L3={l3}"
@@ -309,7 +318,8 @@ def serve(host: str, port: int, model_path: str | None, page_size: int, l1: int,
 
         _serve_until_stopped(functools.partial(run_server, engine, host, port, on_ready=ready,
                                                shutdown_timeout=shutdown_timeout,
-                                               stall_timeout=stall_timeout), loop)
+                                               stall_timeout=stall_timeout,
+                                               read_timeout=read_timeout), loop)
 
 
 def _refuse_with_no_cache() -> None:
@@ -323,12 +333,14 @@ def _refuse_with_no_cache() -> None:
             raise click.UsageError(f"'--{flag}' sets up the cache: --no-cache has none")
 
 
-def _serve_engine(model_path: str | None, seed: int, config: Any) -> tuple[Any, str]:
-    """The model loaded and its engine (not opened), and the model's name."""
+def _serve_engine(model_path: str | None, seed: int, config: Any,
+                  served_name: str | None) -> tuple[Any, str]:
+    """The model loaded and its engine (not opened), and the name it is served under."""
     from .serve import Engine, load_model
 
     try:
         model, tokenizer, name = load_model(model_path, seed=seed)
+        name = served_name or name
         return Engine(model, tokenizer, config, name=name), name
     except ConfigError as exc:
         field_name, _, why = str(exc).partition(": ")

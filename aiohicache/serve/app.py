@@ -10,6 +10,7 @@ stops drains its handlers the same way before the engine may close.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -17,13 +18,14 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 from aiohttp import web
+from transformers import PreTrainedTokenizerBase
 
 from .. import ConfigError, HiCacheError
 from .._concurrency import finish_then_cancel
@@ -54,6 +56,25 @@ class ListenError(OSError):
 
 class _BadRequest(Exception):
     """A request the server refuses (400), with the message the client sees."""
+
+    status = 400
+    code: str | None = None
+
+
+class _TooLarge(_BadRequest):
+    status = 413
+
+
+class _NotServed(_BadRequest):
+    """A model this server does not run."""
+
+    status, code = 404, "model_not_found"
+
+
+class _TooSlow(_BadRequest):
+    """The request's body did not all arrive within the read timeout."""
+
+    status = 408
 
 
 class _InFlight:
@@ -92,25 +113,30 @@ class _InFlight:
 ENGINE = web.AppKey("engine", Engine)
 _IN_FLIGHT = web.AppKey("in_flight", _InFlight)
 _STALL_TIMEOUT = web.AppKey("stall_timeout", float)
+_READ_TIMEOUT = web.AppKey("read_timeout", float)
 _TOKENIZING = web.AppKey("tokenizing", anyio.CapacityLimiter)
 """One prompt tokenized off the loop at a time: an HF fast tokenizer is one object that
 refuses ("Already borrowed", tokenizers#537) to change its truncation or padding while
 another thread encodes with it."""
 
 
-def build_app(engine: Engine, *, stall_timeout: float = 30.0) -> web.Application:
+def build_app(engine: Engine, *, stall_timeout: float = 30.0,
+              read_timeout: float = 60.0) -> web.Application:
     """The aiohttp application serving `engine` (open it before serving).
 
-    A streaming client that takes none of the stream for `stall_timeout` seconds is cut off.
+    A streaming client that takes none of the stream for `stall_timeout` seconds is cut off;
+    a request whose body has not all arrived `read_timeout` seconds after its headers is
+    answered 408 and its connection closed.
 
     Raises:
-        ConfigError: `stall_timeout` is not a positive finite number.
+        ConfigError: `stall_timeout` or `read_timeout` is not a positive finite number.
     """
     in_flight = _InFlight()
     app = web.Application(middlewares=[in_flight.middleware])
     app[ENGINE] = engine
     app[_IN_FLIGHT] = in_flight
     app[_STALL_TIMEOUT] = check_number("stall_timeout", stall_timeout, low=0, low_open=True)
+    app[_READ_TIMEOUT] = check_number("read_timeout", read_timeout, low=0, low_open=True)
     app[_TOKENIZING] = anyio.CapacityLimiter(1)
     app.add_routes([web.post("/v1/completions", completions),
                     web.post("/v1/chat/completions", chat_completions),
@@ -121,8 +147,8 @@ def build_app(engine: Engine, *, stall_timeout: float = 30.0) -> web.Application
 
 @asynccontextmanager
 async def running_server(engine: Engine, host: str = "127.0.0.1", port: int = 0, *,
-                         shutdown_timeout: float = 5.0,
-                         stall_timeout: float = 30.0) -> AsyncIterator[str]:
+                         shutdown_timeout: float = 5.0, stall_timeout: float = 30.0,
+                         read_timeout: float = 60.0) -> AsyncIterator[str]:
     """Serve `engine` on ``host:port`` (0: a free port) while the block runs; yields the base
     URL, e.g. ``http://127.0.0.1:43121``.
 
@@ -132,22 +158,26 @@ async def running_server(engine: Engine, host: str = "127.0.0.1", port: int = 0,
     then it drops the connections still open (a client that reads no more).
 
     A streaming client that takes none of its stream for `stall_timeout` seconds is cut off
-    (its turn, pages and connection are let go).
+    (its turn, pages and connection are let go). A client gets `read_timeout` seconds to send
+    a request's headers, from when its connection opens or its last answer ends (an idle
+    keep-alive connection is closed then), and as long again for its body (then a 408).
 
     Raises:
-        ConfigError: `shutdown_timeout` is negative or not finite, or `stall_timeout` not
-            positive.
+        ConfigError: `shutdown_timeout` is negative or not finite, or `stall_timeout` or
+            `read_timeout` not positive.
         ListenError: the server cannot listen on ``host:port``.
 
     Cancellation: the stop above runs to the end all the same, then the cancellation
     propagates.
     """
     grace = check_number("shutdown_timeout", shutdown_timeout, low=0)
-    app = build_app(engine, stall_timeout=stall_timeout)
+    app = build_app(engine, stall_timeout=stall_timeout, read_timeout=read_timeout)
     # NOTE: aiohttp's own wait (for connections still open once the handlers are done)
-    # reads 0 as no limit.
+    # reads 0 as no limit. Its keep-alive timer also closes a connection whose request's
+    # headers have not all come (its only bound on them): 3,630 s by default, so headers
+    # trickled a byte at a time (slowloris) held a socket for an hour.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=max(grace, 0.1))
+                           shutdown_timeout=max(grace, 0.1), keepalive_timeout=read_timeout)
     await runner.setup()
     try:
         yield await _listen(runner, host, port)
@@ -160,13 +190,14 @@ async def running_server(engine: Engine, host: str = "127.0.0.1", port: int = 0,
 
 
 async def serve(engine: Engine, host: str, port: int, *, on_ready: Any = None,
-                shutdown_timeout: float = 5.0, stall_timeout: float = 30.0) -> None:
+                shutdown_timeout: float = 5.0, stall_timeout: float = 30.0,
+                read_timeout: float = 60.0) -> None:
     """Open `engine` and serve it until cancelled; ``on_ready(url)`` once listening.
-    `stall_timeout`: as `running_server`'s.
+    `stall_timeout`, `read_timeout`: as `running_server`'s.
 
     Raises:
-        ConfigError: `shutdown_timeout` is negative or not finite, or `stall_timeout` not
-            positive.
+        ConfigError: `shutdown_timeout` is negative or not finite, or `stall_timeout` or
+            `read_timeout` not positive.
         ListenError: the server cannot listen on ``host:port``.
 
     Cancellation: how it ends: the server stops accepting, requests in flight get
@@ -175,8 +206,10 @@ async def serve(engine: Engine, host: str, port: int, *, on_ready: Any = None,
     """
     check_number("shutdown_timeout", shutdown_timeout, low=0)  # before the cache opens
     check_number("stall_timeout", stall_timeout, low=0, low_open=True)
+    check_number("read_timeout", read_timeout, low=0, low_open=True)
     async with engine, running_server(engine, host, port, shutdown_timeout=shutdown_timeout,
-                                      stall_timeout=stall_timeout) as url:
+                                      stall_timeout=stall_timeout,
+                                      read_timeout=read_timeout) as url:
         if on_ready is not None:
             on_ready(url)
         await anyio.sleep_forever()
@@ -244,12 +277,15 @@ class _Kind:
     chunk_name: str
     id_prefix: str
     unsupported: dict[str, tuple[object, ...]]
+    prompt_field: str = "prompt"
+    """Where the prompt comes from: what the engine's prompt errors name."""
 
     async def prompt(self, app: web.Application, body: dict[str, Any]) -> list[int]:
         return await _prompt(app, body.get("prompt"))
 
-    def max_tokens(self, body: dict[str, Any]) -> tuple[str, object]:
-        """The field that sets the completion's length, and its value."""
+    def max_tokens(self, body: dict[str, Any], room: int) -> tuple[str, object]:
+        """The field that sets the completion's length, and its value (`room`: the tokens
+        the model's context has left after the prompt)."""
         return "max_tokens", _given(body, "max_tokens", 16)
 
     def choice(self, text: str, finish: str | None) -> dict[str, Any]:
@@ -269,11 +305,15 @@ class _ChatKind(_Kind):
         return await anyio.to_thread.run_sync(chat_ids, tokenizer, messages,
                                               limiter=app[_TOKENIZING])
 
-    def max_tokens(self, body: dict[str, Any]) -> tuple[str, object]:
-        """``max_completion_tokens`` (OpenAI's newer name) or else ``max_tokens``."""
+    def max_tokens(self, body: dict[str, Any], room: int) -> tuple[str, object]:
+        """``max_completion_tokens`` (OpenAI's newer name) or else ``max_tokens``; neither:
+        what the context has room for, up to the server's bound (OpenAI's and vLLM's chat).
+
+        NOTE: it was 16, the legacy completions' default: a chat client that sets no length
+        (the OpenAI SDK sets none) had every answer cut at 16 tokens."""
         if body.get("max_completion_tokens") is not None:
             return "max_completion_tokens", body["max_completion_tokens"]
-        return super().max_tokens(body)
+        return "max_tokens", _given(body, "max_tokens", max(1, min(room, _MAX_TOKENS_LIMIT)))
 
     def choice(self, text: str, finish: str | None) -> dict[str, Any]:
         return {"index": 0, "message": {"role": "assistant", "content": text},
@@ -297,11 +337,16 @@ async def _complete(request: web.Request, kind: _Kind) -> web.StreamResponse:
     engine = request.app[ENGINE]
     try:
         body = await _json_body(request)
+        _check_model(body, engine.name)
         prompt = await kind.prompt(request.app, body)
-        params = _params(body, kind)
+        params = _params(body, kind, engine.max_positions - len(prompt))
         stop = _stop_strings(body)
         stream = _flag(body, "stream")
-    except (_BadRequest, PromptError) as exc:
+    except _TooSlow as exc:
+        return await _answer_and_close(request, _error(exc.status, str(exc)))
+    except _BadRequest as exc:
+        return _error(exc.status, str(exc), code=exc.code)
+    except PromptError as exc:
         return _error(400, str(exc))
     except ConfigError as exc:  # the server's set-up (a chat template that does not parse)
         log.error("completion failed: %s", exc)
@@ -311,7 +356,7 @@ async def _complete(request: web.Request, kind: _Kind) -> web.StreamResponse:
         try:
             first = await anext(tokens)  # errors before any output are a clean HTTP error
         except PromptError as exc:
-            return _error(400, str(exc))
+            return _error(400, _prompt_error(exc, kind))
         except EngineBusy as exc:
             response = _error(503, f"server busy: {exc}", "server_busy")
             response.headers["Retry-After"] = "1"
@@ -506,7 +551,7 @@ class _Detokenizer:
     __slots__ = ("_decode", "_ids", "_prefix", "_read")
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self._decode = tokenizer.decode
+        self._decode = _text_decoder(tokenizer)
         self._ids: list[int] = []
         self._prefix = 0  # the window starts here: context for the tokens not yet shown
         self._read = 0  # tokens before this one are shown
@@ -531,6 +576,17 @@ class _Detokenizer:
         return self._decode(self._ids[self._prefix:])[len(shown):]
 
 
+def _text_decoder(tokenizer: Tokenizer) -> Callable[[Sequence[int]], str]:
+    """`tokenizer`'s decode, less special tokens: a completion counts them, its text does
+    not show them (vLLM's ``skip_special_tokens``, on by default).
+
+    NOTE: a transformers tokenizer keeps them unless asked: a generated chat marker
+    (``<|im_start|>``), or the end of sequence `ignore_eos` runs past, was in the text."""
+    if isinstance(tokenizer, PreTrainedTokenizerBase):
+        return functools.partial(tokenizer.decode, skip_special_tokens=True)
+    return tokenizer.decode
+
+
 async def metrics(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     return web.Response(text=engine.metrics.render(engine.cache),
@@ -552,8 +608,24 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
+    """The body, read within the read timeout and the size limit, as a JSON object."""
+    limit, declared = request.client_max_size, request.content_length
+    if declared is not None and declared > limit:
+        # NOTE: refused before reading: the body was read up to the limit first, or waited
+        # for if it never came
+        raise _TooLarge(f"the request's body: {declared} bytes, more than the limit of "
+                        f"{limit}")
     try:
-        body = await request.json()
+        # NOTE: the body was waited for without a bound: ``Content-Length: 1000000`` and no
+        # more held its handler and connection for ever
+        async with asyncio.timeout(request.app[_READ_TIMEOUT]):
+            body = await request.json()
+    except TimeoutError:
+        raise _TooSlow(f"the request's body did not arrive within the read timeout "
+                       f"({request.app[_READ_TIMEOUT]:g} s)") from None
+    except web.HTTPRequestEntityTooLarge:  # a chunked body: aiohttp's 413 is plain text
+        raise _TooLarge(f"the request's body: more than the limit of {limit} bytes") \
+            from None
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # too deep: recursion
         raise _BadRequest("the body must be a JSON object") from None
     except ValueError:  # NOTE: a 500, and a traceback logged, each time
@@ -596,9 +668,10 @@ def _check_text(prompt: str) -> None:
                           f"{exc.start})") from None
 
 
-def _params(body: dict[str, Any], kind: _Kind) -> SamplingParams:
+def _params(body: dict[str, Any], kind: _Kind, room: int) -> SamplingParams:
+    """`room`: the tokens the model's context has left after the prompt."""
     _refuse_unsupported(body, kind.unsupported)
-    max_tokens = check_int(*kind.max_tokens(body), low=1, high=_MAX_TOKENS_LIMIT,
+    max_tokens = check_int(*kind.max_tokens(body, room), low=1, high=_MAX_TOKENS_LIMIT,
                            error=_BadRequest)
     temperature = check_number("temperature", _given(body, "temperature", 1.0), low=0,
                                high=2, error=_BadRequest)
@@ -625,6 +698,19 @@ def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
         raise _BadRequest(f"stop: a string or a list of at most {_MAX_STOPS} strings, each "
                           f"of 1..{_MAX_STOP_CHARS} characters (got {value!r:.80})")
     return tuple(stops)
+
+
+def _check_model(body: dict[str, Any], served: str) -> None:
+    """``model``: absent, null or the served model's name.
+
+    NOTE: it was not read: a request for another model was answered by this one, as if by
+    that (vLLM and OpenAI answer 404)."""
+    model = body.get("model")
+    if model is None or model == served:
+        return
+    if not isinstance(model, str):
+        raise _BadRequest(f"model: a string, the served model's name (got {model!r:.80})")
+    raise _NotServed(f"model: {model!r:.80} is not served here (this server runs {served!r})")
 
 
 def _given(body: dict[str, Any], name: str, default: object) -> object:
@@ -682,7 +768,8 @@ def _head(engine: Engine, kind: _Kind) -> dict[str, Any]:
 
 
 _COMPLETION = _Kind("text_completion", "text_completion", "cmpl", _UNSUPPORTED)
-_CHAT = _ChatKind("chat.completion", "chat.completion.chunk", "chatcmpl", _UNSUPPORTED_CHAT)
+_CHAT = _ChatKind("chat.completion", "chat.completion.chunk", "chatcmpl", _UNSUPPORTED_CHAT,
+                  "messages")
 
 
 def _usage(usage: Usage) -> dict[str, Any]:
@@ -691,6 +778,25 @@ def _usage(usage: Usage) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+def _error(status: int, message: str, kind: str = "invalid_request_error", *,
+           code: str | None = None) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "param": None,
-                                        "code": None}}, status=status)
+                                        "code": code}}, status=status)
+
+
+def _prompt_error(exc: PromptError, kind: _Kind) -> str:
+    """The engine's refusal of a prompt, naming the field the client sent it in (a chat's
+    prompt is its ``messages``: it was told of ``prompt``, a field it never sent)."""
+    field_name, _, why = str(exc).partition(": ")
+    return f"{kind.prompt_field}: {why}" if field_name == "prompt" else str(exc)
+
+
+async def _answer_and_close(request: web.Request, response: web.Response) -> web.Response:
+    """Send `response`, then close the connection: the rest of the request is never read
+    (aiohttp would linger 10 s more, reading it)."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    if request.transport is not None:
+        request.transport.close()  # once the answer is sent
+    return response

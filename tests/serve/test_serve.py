@@ -281,7 +281,7 @@ def serve_command(*args: str, **env: str) -> Iterator[tuple[subprocess.Popen[str
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        assert "aiohicache serve: tiny-llama on http://127.0.0.1:" in line, line
+        assert re.match(r"aiohicache serve: \S+ on http://127.0.0.1:", line), line
         yield proc, line.split(" on ")[1].split()[0]
     finally:
         proc.kill()
@@ -290,15 +290,24 @@ def serve_command(*args: str, **env: str) -> Iterator[tuple[subprocess.Popen[str
             proc.stdout.close()
 
 
-def test_the_serve_command_listens_and_answers() -> None:
-    with serve_command() as (_, url):
+def test_the_serve_command_listens_and_answers_under_its_served_model_name() -> None:
+    """``--served-model-name`` is the name requests' ``model`` gives and /v1/models lists;
+    the model's own name is then another model's (404)."""
+    with serve_command("--served-model-name", "org/chat-1") as (_, url):
 
-        async def ask() -> dict[str, Any]:
+        async def ask() -> tuple[dict[str, Any], dict[str, Any], Any]:
             async with aiohttp.ClientSession() as session:
-                return await post(session, url, prompt="hi there", max_tokens=3)
+                got = await post(session, url, prompt="hi there", max_tokens=3,
+                                 model="org/chat-1")
+                other = await post(session, url, prompt="hi there", model="tiny-llama")
+                async with session.get(f"{url}/v1/models") as response:
+                    return got, other, await response.json()
 
-        got = asyncio.run(ask())
+        got, other, listed = asyncio.run(ask())
         assert got["status"] == 200 and got["usage"]["completion_tokens"] == 3
+        assert got["model"] == "org/chat-1"
+        assert other["status"] == 404 and other["error"]["code"] == "model_not_found"
+        assert [m["id"] for m in listed["data"]] == ["org/chat-1"]
 
 
 async def test_a_prompt_longer_than_the_device_pool_is_computed_without_it() -> None:
