@@ -94,11 +94,15 @@ def forward(model: PreTrainedModel, tokens: list[int], past: DynamicCache, *,
     `PoolCache` records the tokens (`HFAdapter.commit_decoded` checks them).
     """
     ids = torch.tensor([tokens], dtype=torch.int64, device=model.device)
+    # NOTE: recorded only after the tokens it knows: past a pass made around it (the model
+    # called on the cache) the tokens are at other positions than recorded
+    record = past.tokens if isinstance(past, PoolCache) and \
+        len(past.tokens) == past.get_seq_length() else None
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1,
                     **{cache_kwarg(model): past})
-    if isinstance(past, PoolCache):
-        past.tokens.extend(int(t) for t in tokens)
+    if record is not None:
+        record.extend(int(t) for t in tokens)
     logits: torch.Tensor = out.logits
     return logits
 
@@ -193,8 +197,10 @@ class PoolCache(DynamicCache):
     `DynamicCache` (decode steps grow it as usual).
 
     Attributes:
-        tokens: the tokens whose KV it holds, in order: the prefix, then those of every pass
-            through `forward` (`HFAdapter.decode`); a pass made another way adds none.
+        tokens: the tokens whose KV it holds, in order, as far as known: the prefix, then
+            those of every pass through `forward` (`HFAdapter.decode`); a pass made another
+            way adds none, nor does any pass after it. `crop` and `reset` drop the tokens
+            they drop from the cache.
     """
 
     def __init__(self, config: PretrainedConfig, link: _PoolLink,
@@ -216,6 +222,17 @@ class PoolCache(DynamicCache):
     def detach(self) -> None:
         """Stop reading from and writing to the pool (the prefill is over)."""
         self._link = None
+
+    def crop(self, *args: Any, **kwargs: Any) -> None:
+        # NOTE: speculative decoding crops rejected drafts: recorded still, they shifted the
+        # tokens fed after them, and every commit was refused (or, with as many tokens fed
+        # around the adapter, committed those tokens' KV under the cropped ones)
+        super().crop(*args, **kwargs)
+        del self.tokens[self.get_seq_length():]
+
+    def reset(self) -> None:
+        super().reset()  # type: ignore[no-untyped-call]
+        self.tokens.clear()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,15 +272,19 @@ def _check_fed(past: PoolCache, ids: list[int]) -> None:
         # the last decoded token got the KV of the one before, committed with its page
         raise ConfigError(f"tokens: {len(ids)} given, the model's cache holds the KV of "
                           f"{held} (a decoded token has none until it is fed back)")
-    if len(past.tokens) != held:
+    if len(ids) > len(past.tokens):
         raise ConfigError(f"past: holds the KV of {held} tokens, {len(past.tokens)} of them "
                           f"fed through HFAdapter.decode or hf.forward: the others are unknown")
-    if ids != past.tokens[:len(ids)]:
+    if (at := _first_difference(ids, past.tokens)) is not None:
         # NOTE: committed as given: a sampled token replaced after it was fed (a stop
         # sequence rewritten, a token edited) put the fed token's KV under another's
-        at = next(i for i, (a, b) in enumerate(zip(ids, past.tokens, strict=False)) if a != b)
         raise ConfigError(f"tokens: position {at} is {ids[at]}, the model was fed "
                           f"{past.tokens[at]} there")
+
+
+def _first_difference(ids: list[int], known: list[int]) -> int | None:
+    """The first position where `ids` and `known` differ (up to the shorter's end)."""
+    return next((i for i, (a, b) in enumerate(zip(ids, known, strict=False)) if a != b), None)
 
 
 def _check_kv(spec: KVSpec, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -301,6 +322,8 @@ class Prefill:
     """Tokens whose KV the context holds: the prompt, then what `commit_decoded` committed."""
     context: FetchContext | None = field(default=None, repr=False, compare=False)
     """The context it ran in: `commit_decoded` writes into its leased slots, no other's."""
+    committing: bool = field(default=False, repr=False, compare=False)
+    """A `commit_decoded` of it is under way (they run one at a time)."""
 
 
 class HFAdapter:
@@ -436,25 +459,46 @@ class HFAdapter:
                 token but the last, whose KV was never computed).
 
         Raises:
-            ConfigError: `hit` is not the context `prefill` ran in, or it committed other
-                tokens since; `tokens` run past the KV the model's cache holds (the last
-                decoded token, never fed back) or are not the tokens fed (a sampled token
-                replaced); or the cache was fed another way than `decode`/`forward`, so its
-                tokens are unknown. Nothing is written.
+            ConfigError: another call for `prefill` is under way; `hit` is not the context
+                `prefill` ran in, or it committed other tokens since; `tokens` run past the
+                KV the model's cache holds (the last decoded token, never fed back) or are
+                not the tokens fed (a sampled token replaced) or differ from those committed
+                (the cache cropped below them); or the cache was fed another way than
+                `decode`/`forward`, so its tokens are unknown. Nothing is written.
 
         Cancellation: as `FetchContext.allocate` and `commit`; a copy into the pool under
         way finishes on its thread first. The slots leased stay `prefill`'s for a next call.
         """
-        ids = [int(t) for t in tokens]
+        if prefill.committing:
+            # NOTE: two at once each leased from the same partial page's end: one was
+            # refused with a misleading error, and `prefill` kept the other's stale slots
+            # and count, so every later call was refused (the output never cached)
+            raise ConfigError("prefill: another `commit_decoded` of it is under way: await "
+                              "it first (each call continues where the last one ended)")
+        prefill.committing = True
+        try:
+            await self._commit_decoded(hit, prefill, [int(t) for t in tokens])
+        finally:
+            prefill.committing = False
+
+    async def _commit_decoded(self, hit: FetchContext, prefill: Prefill,
+                              ids: list[int]) -> None:
         done = prefill.num_committed_tokens
-        if len(ids) <= done:
-            return
         if prefill.context is not hit:
             # NOTE: the prefill's partial page is its own context's: given a new context of
             # the same prompt (the old one exited, the page freed and leased again) the
             # decoded KV was written over another prefix's committed page
             raise ConfigError("hit: not the context `prefill` ran in (its partial page's "
                               "slots are that context's lease)")
+        if (at := _first_difference(ids, hit.tokens[:done].tolist())) is not None:
+            # NOTE: a cache cropped below what was committed, then decoded on: the new
+            # branch was dropped unsaid (no longer than the committed) or refused only
+            # after its KV was written
+            raise ConfigError(f"tokens: position {at} is {ids[at]}, the context committed "
+                              f"{int(hit.tokens[at])} there (cropped below the committed "
+                              f"tokens? commit another branch from its own context)")
+        if len(ids) <= done:
+            return
         _check_fed(prefill.past_key_values, ids)
         # NOTE: the partial page's slots are ours only while the context still leases them:
         # once a commit took that page (and freed it as a duplicate) they may be another

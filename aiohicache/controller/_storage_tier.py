@@ -211,36 +211,40 @@ class StorageTier(TPResults):
         Cancellation (cache closing): reserved pages are freed; nothing is inserted.
         """
         try:
-            await self._propose(job, self._guarded("prefetch", self._count_present(job)))
+            answered = await self._propose(job, self._count_present(job))
             if job.reserved is not None and not job.done.is_set():
-                await self._propose(job, self._guarded("prefetch", self._read(job, job.reserved)))
+                await self._propose(job, self._read(job, job.reserved))
+            elif answered:
+                # NOTE: no read follows the agreed count: this rank's exists was the call.
+                # Recorded only where its own count was short, a rank whose store had the
+                # pages (another's had not) left a half-open breaker's probe undecided
+                self.breaker.record_success()
         finally:
             if not job.done.is_set():  # cancelled before the tick finished it
                 self._finish(job)
 
-    async def _guarded(self, what: str, work: Awaitable[int]) -> int:
+    async def _propose(self, job: PrefetchJob, work: Awaitable[int]) -> bool:
+        """Propose `work`'s result (0 if it failed: a miss here is a miss on every rank) and
+        wait for the tick to apply the agreed one; whether `work` succeeded."""
+        ok = True
         try:
-            return await work
+            job.proposal = await work
         except Exception as exc:
-            self._fail(what, exc)
-            return 0
-
-    async def _propose(self, job: PrefetchJob, result: Awaitable[int]) -> None:
-        job.proposal = await result
+            self._fail("prefetch", exc)
+            job.proposal, ok = 0, False
         self.kick()
         if not self.tp_stopped:  # else no tick will agree: `_prefetch_tp` finishes the job
             await job.agreed.wait()
         job.agreed = anyio.Event()
+        return ok
 
     async def _count_present(self, job: PrefetchJob) -> int:
         tail = [k.hex() for k in job.keys[job.start_page:]]
-        count = await self.backend.exists(tail)
-        # NOTE: a success only where no read follows (the read's outcome is the prefetch's):
-        # recorded before every read, it reset the failures in a row, and a store whose reads
-        # all failed while EXISTS answered (replies over its output buffer limit) never
-        # opened the breaker
-        if count * self.config.page_size < max(self.config.l3.prefetch_threshold, 1):
-            self.breaker.record_success()
+        # NOTE: its success is recorded by the caller, only where no read follows (the
+        # read's outcome is the prefetch's): recorded before every read, it reset the
+        # failures in a row, and a store whose reads all failed while EXISTS answered
+        # (replies over its output buffer limit) never opened the breaker
+        count: int = await self.backend.exists(tail)
         return count
 
     def _on_count(self, job: PrefetchJob, count: int) -> bool:
