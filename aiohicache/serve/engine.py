@@ -404,31 +404,44 @@ class Engine:
         long, or the pool pinned by other requests) is computed without it instead."""
         adapter, cache = self._adapter, self.cache
         assert adapter is not None and cache is not None
-        async with cache.fetch(prompt) as hit:
-            try:
-                out = await adapter.prefill(hit, prompt)
-            except CapacityError as exc:
-                log.info("no device room for a %d-token prompt, computed uncached: %s",
-                         len(prompt), exc)
-                self.metrics.uncached_fallbacks += 1
-                out = None
-            if out is not None:
-                usage.cached_tokens = out.num_reused_tokens
-                usage.tiers = _by_tier(out.num_reused_tokens, hit.num_device_hit_tokens,
-                                       hit.num_host_hit_tokens, hit.num_storage_hit_tokens)
-                fed = list(prompt)
-                tokens = self._decode(out.logits[0, -1], out.past_key_values, params, fed,
-                                      usage)
-                async with contextlib.aclosing(tokens):
-                    async for token in tokens:
-                        yield token
-                if self.config.commit_output:
-                    await self._commit_output(adapter, hit, out, fed)
-                return
-        tokens = self._uncached(prompt, params, usage)
+        if len(prompt) <= cache.config.device_pages * cache.config.page_size:
+            async with cache.fetch(prompt) as hit:
+                try:
+                    out = await adapter.prefill(hit, prompt)
+                except CapacityError as exc:
+                    self._fall_back(len(prompt), str(exc))
+                else:
+                    async with contextlib.aclosing(self._over(adapter, hit, out, prompt,
+                                                              params, usage)) as tokens:
+                        async for token in tokens:
+                            yield token
+                    return
+        else:
+            # NOTE: fetched first, its hits were counted by the cache, and loaded back from
+            # L2 or L3 into the pool, for a prompt whose KV the pool can never hold
+            self._fall_back(len(prompt), "longer than the device pool")
+        async with contextlib.aclosing(self._uncached(prompt, params, usage)) as tokens:
+            async for token in tokens:
+                yield token
+
+    def _fall_back(self, length: int, why: str) -> None:
+        log.info("no device room for a %d-token prompt, computed uncached: %s", length, why)
+        self.metrics.uncached_fallbacks += 1
+
+    async def _over(self, adapter: HFAdapter, hit: FetchContext, out: Prefill,
+                    prompt: list[int], params: SamplingParams,
+                    usage: Usage) -> AsyncGenerator[int, None]:
+        """Generate from `out` (`prompt` prefilled over the cache), then cache the output."""
+        usage.cached_tokens = out.num_reused_tokens
+        usage.tiers = _by_tier(out.num_reused_tokens, hit.num_device_hit_tokens,
+                               hit.num_host_hit_tokens, hit.num_storage_hit_tokens)
+        fed = list(prompt)
+        tokens = self._decode(out.logits[0, -1], out.past_key_values, params, fed, usage)
         async with contextlib.aclosing(tokens):
             async for token in tokens:
                 yield token
+        if self.config.commit_output:
+            await self._commit_output(adapter, hit, out, fed)
 
     async def _commit_output(self, adapter: HFAdapter, hit: FetchContext, out: Prefill,
                              fed: list[int]) -> None:

@@ -311,6 +311,9 @@ def test_the_serve_command_listens_and_answers_under_its_served_model_name() -> 
 
 
 async def test_a_prompt_longer_than_the_device_pool_is_computed_without_it() -> None:
+    """A prompt the device pool can never hold is computed without the cache, not fetched:
+    its cached prefix is neither loaded back nor counted as a hit by the cache (until
+    2026-11-25 the cache's counters said 32 tokens were served to a request computed whole)."""
     async with engine(device_tokens=64) as eng, running_server(eng) as url, \
             aiohttp.ClientSession() as session:
         long, short = prompt_of(100, 9), prompt_of(40, 10)
@@ -320,7 +323,15 @@ async def test_a_prompt_longer_than_the_device_pool_is_computed_without_it() -> 
         for cached in (0, 32):  # prompts that fit are still cached
             got = await post(session, url, prompt=short, max_tokens=1, temperature=0)
             assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
-        assert eng.cache is not None and eng.cache.stats().device_pages_leased == 0
+        cache = eng.cache
+        assert cache is not None and cache.stats().device_pages_leased == 0
+        before = cache.stats()
+        got = await post(session, url, prompt=short + prompt_of(60, 11), max_tokens=1)
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert eng.metrics.uncached_fallbacks == 2
+        after = cache.stats()
+        assert (after.device_hit_tokens, after.host_hit_tokens, after.prompt_tokens) == \
+            (before.device_hit_tokens, before.host_hit_tokens, before.prompt_tokens)
 
 
 # ---------------------------------------------------------------------------- shutdown
