@@ -164,9 +164,9 @@ async def test_the_read_timeout_bounds_the_request_not_its_answer() -> None:
     """A generation that takes longer than `read_timeout`, streamed or not, on a connection
     kept alive for the next request, is not cut off: only a request's arrival is timed."""
     eng = engine()
-    eng.model.register_forward_pre_hook(lambda *_: time.sleep(0.05))
+    eng.model.register_forward_pre_hook(lambda *_: time.sleep(0.1))
     body = {"prompt": "hello", "max_tokens": 12, "temperature": 0}
-    async with eng, running_server(eng, read_timeout=0.3) as url, \
+    async with eng, running_server(eng, read_timeout=0.5) as url, \
             aiohttp.ClientSession() as session:
         whole = await post(session, url, COMPLETIONS, body)
         chunks = await streamed(session, url, COMPLETIONS, body)
