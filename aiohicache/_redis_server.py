@@ -28,6 +28,8 @@ __all__ = ("LocalCluster", "RedisServer", "RedisServerError")
 
 _HOST = "127.0.0.1"
 _START_ATTEMPTS = 5  # a free port can be taken between choosing it and binding it
+_BUS_OFFSET = 10000
+"""A cluster node also listens on its port + 10000 (the cluster bus)."""
 
 
 class RedisServerError(RuntimeError):
@@ -101,7 +103,8 @@ class RedisServer:
     def _spawn(self, path: str, timeout: float) -> bool:
         """One try on a fresh port: True once it answers, False if the port was taken."""
         assert self._dir is not None
-        self.port = _free_port()
+        self.port = (_free_cluster_port() if "--cluster-enabled" in self.extra_args
+                     else _free_port())
         tls: tuple[str, ...] = ()
         if self.tls_port is not None:
             self.tls_port = _free_port()
@@ -293,6 +296,28 @@ def _free_port() -> int:
         sock.bind((_HOST, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def _free_cluster_port() -> int:
+    """A free loopback port whose cluster bus port (+ 10000) is a port, and free too.
+
+    NOTE: the kernel hands out ports up to 60999, and a cluster node on a port over 55535
+    exits at once (its bus port would be past 65535), as one whose bus port is taken does:
+    each such pick cost one of the `_START_ATTEMPTS`, and now and then a node did not start
+    """
+    while True:
+        port = _free_port()
+        if port + _BUS_OFFSET <= 65535 and _bindable(port + _BUS_OFFSET):
+            return port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((_HOST, port))
+        except OSError:
+            return False
+        return True
 
 
 _PROCESS_ID = re.compile(rb"\r\nprocess_id:(\d+)\r\n")

@@ -188,9 +188,12 @@ class RedisBackend:
         """
         with self._in_flight():
             with self._translate(StorageError, "ping"):
-                async with self._connections:
-                    await self._client.ping()
+                await self._ping()
             await self._look_at_memory()
+
+    async def _ping(self) -> None:
+        async with self._connections:
+            await self._client.ping()
 
     async def _look_at_memory(self) -> None:
         """Record the server's ``maxmemory`` and ``used_memory`` (errors are not counted:

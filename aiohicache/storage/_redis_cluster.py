@@ -14,7 +14,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import anyio
 from redis.asyncio import Redis
-from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
+from redis.asyncio.cluster import ClusterNode, NodesManager, PipelineCommand, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.cluster import PRIMARY
@@ -115,8 +115,7 @@ class RedisClusterBackend(RedisBackend):
                          raise_on_error: bool = True) -> list[object]:
         client = cast(RedisCluster, self._client)
         groups: dict[str, list[int]] = {}
-        with self._answering_seeds(client, at_least_one=True):
-            await client.initialize()  # learns the slot map once
+        await self._ready(client)  # learns the slot map once
         await self._refresh_slot_map(client)
         for i, name in enumerate(names):
             groups.setdefault(_node_name(client, name), []).append(i)
@@ -212,7 +211,8 @@ class RedisClusterBackend(RedisBackend):
         """Follow redirections: ``ASK`` on one connection of the node named (``ASKING``, then
         the command), ``MOVED`` and ``TRYAGAIN`` through the client (which re-points the
         slot); each within the `max_connections` of the node it goes to (`source`, the node
-        that answered, for ``TRYAGAIN``). The replies, an error where it failed again."""
+        that answered, for ``TRYAGAIN``) and through its circuit (a node skipped: an error).
+        The replies, an error where it failed again."""
         client = cast(RedisCluster, self._client)
         commands = _recorded(names, idx, add)
         followed: list[object] = list(errors)
@@ -223,9 +223,18 @@ class RedisClusterBackend(RedisBackend):
                 continue
             args, options = commands[k]
             target = f"{error.host}:{error.port}" if isinstance(error, AskError) else source
-            try:
+
+            async def follow(target: str = target, args: Any = args,
+                             options: dict[str, Any] = options) -> object:
                 async with self._slots(target):
-                    followed[k] = await client.execute_command(*cast(Any, args), **options)
+                    return await client.execute_command(*args, **options)
+
+            # NOTE: a MOVED through the circuit of the node it names (TRYAGAIN: the source,
+            # whose circuit this call is in already): a redirect to a hung node cost every
+            # call its timeout, however long the node was skipped
+            try:
+                followed[k] = _judged(await follow() if target == source
+                                      else await self._circuits.call(target, follow))
             except _CLIENT_ERRORS as exc:
                 followed[k] = exc
         for node_name, ks in asks.items():
@@ -246,17 +255,54 @@ class RedisClusterBackend(RedisBackend):
             manager.set_nodes(manager.nodes_cache, {node.name: node})
         batch = [PipelineCommand(n, *args, **options) for n, command in enumerate(commands)
                  for args, options in ((("ASKING",), {}), command)]
-        try:
+
+        async def send() -> list[object]:
             async with self._slots(node.name):
                 await node.execute_pipeline(batch)
-        except _CLIENT_ERRORS as exc:  # that node failed: these pages alone
-            return [exc] * len(commands)
-        return [command.result for command in batch[1::2]]
+            # NOTE: ASKING's replies too: on a hung node the first (ASKING's) times out and
+            # the others are connection errors, and the circuit opens on a timeout
+            return [command.result for command in batch]
+
+        # NOTE: through the node's circuit: an ASK to a hung node (a slot migrating to it)
+        # cost every call its timeout, however long the node was skipped
+        replies = _judged(await self._circuits.call(node.name, send))
+        if isinstance(replies, Exception):  # that node failed: these pages alone
+            return [replies] * len(commands)
+        return cast(list[object], replies)[1::2]
 
     def _slots(self, node_name: str) -> anyio.Semaphore:
         """The `max_connections` of one node (redis-py's cluster node raises, not waits,
         when its pool is empty)."""
         return self._node_slots.setdefault(node_name, anyio.Semaphore(self._node_limit))
+
+    async def _ready(self, client: RedisCluster) -> None:
+        """Have `client` read the slot map and the commands' key positions (``COMMAND``) if
+        it has not yet, or must again (one of its own commands failed on a node).
+
+        NOTE: not redis-py's `initialize`: it sends COMMAND to its default node (the first
+        primary) only, and closes every connection if that fails: with that node down, a
+        backend started then failed every call, the store lost for good while two nodes of
+        three served (with no replica to take over); hung, each call waited its timeout.
+        Here the primaries are asked in turn, through their circuits.
+        """
+        if not client._initialize:
+            return
+        with self._answering_seeds(client, at_least_one=True):
+            await client.nodes_manager.initialize()
+        failing = self._circuits.failing()
+        error: Exception = RedisClusterException("the cluster has no primary")
+        for node in sorted(client.get_primaries(), key=lambda node: node.name in failing):
+            async def read_commands(node: ClusterNode = node) -> None:
+                async with self._slots(node.name):
+                    await client.commands_parser.initialize(node)
+
+            outcome = _judged(await self._circuits.call(node.name, read_commands))
+            if not isinstance(outcome, Exception):
+                client.nodes_manager.default_node = node
+                client._initialize = False
+                return
+            error = outcome
+        raise error
 
     async def _refresh_slot_map(self, client: RedisCluster) -> None:
         """After a node failed, re-read the slot map (at most every 0.25 s): a replica may
@@ -356,29 +402,46 @@ class RedisClusterBackend(RedisBackend):
         self._stats.pages_deleted += removed
         return removed
 
+    async def _ping(self) -> None:
+        """PING each primary (each through its circuit); raise only once none answered.
+
+        NOTE: redis-py sends PING to one node (its default, the first primary): with that
+        one down or hung (`socket_timeout`), the backend could not be entered, while it
+        would have served the other nodes' pages.
+        """
+        replies, errors = await self._on_primaries("PING")
+        if errors and not replies:
+            raise errors[0]
+
     async def _memory_info(self) -> list[dict[str, object]]:
-        """Each primary's ``INFO memory``, all at once, each within the node's
-        `max_connections`; the first error if any node failed.
+        """Each primary's ``INFO memory``; the first error if any node failed."""
+        replies, errors = await self._on_primaries("INFO", "memory")
+        if errors:
+            raise errors[0]
+        return cast(list[dict[str, object]], replies)
+
+    async def _on_primaries(self, *command: str) -> tuple[list[object], list[Exception]]:
+        """`command` sent to each primary, all at once, each within the node's
+        `max_connections` and through its circuit: the replies, and the errors.
 
         NOTE: redis-py's INFO to every primary took a connection of each past the limit,
         and a pipeline then found its node's pool empty (MaxConnectionsError: a node lost).
         """
         client = cast(RedisCluster, self._client)
-        with self._answering_seeds(client, at_least_one=True):
-            await client.initialize()
-        replies: list[dict[str, object]] = []
+        await self._ready(client)
+        replies: list[object] = []
         errors: list[Exception] = []
 
         async def one(node: ClusterNode) -> None:
-            async def info() -> dict[str, object]:
+            async def send() -> object:
                 async with self._slots(node.name):
-                    return cast(dict[str, object], await node.execute_command("INFO", "memory"))
+                    return await node.execute_command(*command)
 
             # NOTE: through the node's circuit: a hung node held a write (the look every
             # 10 s) or a reader's first call `socket_timeout`, however long it was skipped.
             # And on the node, not through the client: after a timeout the client reads the
             # slot map again at its next command, from every node (see _answering_seeds)
-            reply = await self._circuits.call(node.name, info)
+            reply = await self._circuits.call(node.name, send)
             if not isinstance(reply, Exception):
                 replies.append(reply)
             elif isinstance(reply, _CLIENT_ERRORS):
@@ -389,10 +452,7 @@ class RedisClusterBackend(RedisBackend):
         async with anyio.create_task_group() as tg:
             for node in client.get_primaries():
                 tg.start_soon(one, node)
-        if errors:
-            raise errors[0]
-        return replies
-
+        return replies, errors
 
 
 def _node_name(client: RedisCluster, name: str) -> str:
@@ -407,6 +467,14 @@ def _node_name(client: RedisCluster, name: str) -> str:
     except SlotNotCoveredError:
         return ""
     return node.name if node else ""
+
+
+def _judged(outcome: object) -> object:
+    """`outcome`, a client's error included (that node's pages fail); any other exception
+    (a bug) raised."""
+    if isinstance(outcome, Exception) and not isinstance(outcome, _CLIENT_ERRORS):
+        raise outcome
+    return outcome
 
 
 def _reconnect_idle(node: ClusterNode) -> None:
@@ -507,7 +575,7 @@ def cluster_client(url: str, safe_url: str, *, socket_timeout: float,
     # (redis-py then closes every node's connections, failing the other nodes' pipelines in
     # flight): see RedisClusterBackend._refresh_slot_map
     try:
-        return RedisCluster(startup_nodes=nodes, ssl=tls, require_full_coverage=False,
+        made = RedisCluster(startup_nodes=nodes, ssl=tls, require_full_coverage=False,
                             socket_timeout=socket_timeout,
                             socket_connect_timeout=connect_timeout,
                             max_connections=max_connections, retry=Retry(NoBackoff(), 0),
@@ -515,3 +583,30 @@ def cluster_client(url: str, safe_url: str, *, socket_timeout: float,
     except TypeError as exc:  # an unknown option, or one the backend sets itself
         raise ConfigError(f"url {safe_url!r}: an option the cluster client does not take "
                           f"({safe_reason(url, exc)})") from None
+    made.nodes_manager.__class__ = _ConnectionKeepingNodesManager  # made by RedisCluster
+    return made
+
+
+class _ConnectionKeepingNodesManager(NodesManager):
+    """redis-py's `NodesManager`, except that the nodes a slot map read again still has
+    keep their connections.
+
+    NOTE: redis-py marks every connection of every node it keeps to reconnect, at each
+    read (for the READONLY state of connections to replicas, which this backend never
+    reads): with a node down, the map is read every 0.25 s (`_refresh_slot_map`), and every
+    connection to the healthy nodes was closed and opened again each time (with TLS, a
+    handshake each). A connection that failed is closed by redis-py all the same, and a
+    node's idle ones then marked by `_reconnect_idle`.
+    """
+
+    __slots__ = ()
+
+    def set_nodes(self, old: dict[str, ClusterNode], new: dict[str, ClusterNode],
+                  remove_old: bool = False) -> None:
+        # NOTE: synchronous: no call can mark (or use) a connection in between
+        kept = [connection for name, node in old.items() if name in new
+                for connection in node._connections
+                if not connection.should_reconnect()]  # type: ignore[no-untyped-call]
+        super().set_nodes(old, new, remove_old)
+        for connection in kept:
+            connection.reset_should_reconnect()  # type: ignore[no-untyped-call]
