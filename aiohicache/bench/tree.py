@@ -54,19 +54,22 @@ def bench_tree(requests: Sequence[Request], *, capacity_tokens: int, page_size: 
 
 
 def _serve(tree: RadixTree, seq: np.ndarray, page_size: int) -> int:
+    """One request as the controller serves it: match and pin, allocate, insert under the
+    pinned prefix (`_request.commit_op`: ``under=`` its pin), unpin."""
     match = tree.match(seq)
     matched = match.num_device_pages
     full = len(seq) // page_size
-    tree.lock(match.last_device_node)
+    last = match.last_device_node
+    tree.lock(last)
     pages = tree.alloc_device(full - matched)
-    tree.unlock(match.last_device_node)
     if pages is not None and full > matched:
         res = tree.insert(seq[:full * page_size], np.concatenate([match.device_pages(), pages]),
-                          start_page=matched)
+                          start_page=matched, under=last)
         for dup in res.duplicate_pages:
             tree.device_alloc.free(dup)
     elif pages is not None:
         tree.device_alloc.free(pages)
+    tree.unlock(last)
     return matched * page_size
 
 

@@ -92,32 +92,34 @@ class TreeState:
             self.host_policy.on_resident(node, sign * len(node.host_pages))
 
     def _set_device(self, node: Node, pages: PageIds | None, state: DeviceState) -> None:
-        was = node.on_device
+        was = node.device_state is not DeviceState.ABSENT
         if self._counting:
             self.device_policy.on_resident(node, _num(pages) - _num(node.device_pages))
         node.device_pages, node.device_state = pages, state
-        assert (pages is None) == (state is DeviceState.ABSENT)
-        if node.parent is not None and was != node.on_device:
-            node.parent.device_children += 1 if node.on_device else -1
+        now = state is not DeviceState.ABSENT
+        assert (pages is None) == (not now)
+        if node.parent is not None and was != now:
+            node.parent.device_children += 1 if now else -1
             self._offer(node.parent)
         self._offer(node)
-        if self.on_residency and was != node.on_device:
+        if self.on_residency and was != now:
             for hook in self.on_residency:
-                hook(node, "device", node.on_device)
+                hook(node, "device", now)
 
     def _set_host(self, node: Node, pages: PageIds | None, state: HostState) -> None:
-        was = node.on_host
+        was = node.host_state is not HostState.ABSENT
         if self._counting:
             self.host_policy.on_resident(node, _num(pages) - _num(node.host_pages))
         node.host_pages, node.host_state = pages, state
-        assert (pages is None) == (state is HostState.ABSENT)
-        if node.parent is not None and was != node.on_host:
-            node.parent.host_children += 1 if node.on_host else -1
+        now = state is not HostState.ABSENT
+        assert (pages is None) == (not now)
+        if node.parent is not None and was != now:
+            node.parent.host_children += 1 if now else -1
             self._offer(node.parent)
         self._offer(node)
-        if self.on_residency and was != node.on_host:
+        if self.on_residency and was != now:
             for hook in self.on_residency:
-                hook(node, "host", node.on_host)
+                hook(node, "host", now)
 
     def lock(self, node: Node | None) -> None:
         """Pin `node` and its ancestors on the device."""

@@ -75,13 +75,14 @@ class RadixTree(TreeState):
         when the match ends inside it; None when no child starts with the next page. After a
         split, the next step finds no child: the mismatching page starts the lower part."""
         child = node.children.get(tokens[pos:pos + self.page_size].tobytes())
-        if child is not None and not same_tokens(tokens[pos:pos + len(child.key)], child.key):
-            child = self._split(child, self._common_pages(child.key, tokens, pos))
+        if child is not None:
+            # NOTE: one pass finds both whether the whole key matches and, if not, where
+            # it stops (a match, then a second pass for the split, read the key twice)
+            common = common_tokens(child.key, tokens, pos)
+            if common < len(child.key):
+                # >= 1: the first page matched through the child's dict key
+                child = self._split(child, max(1, common // self.page_size))
         return child
-
-    def _common_pages(self, key: Tokens, tokens: Tokens, pos: int) -> int:
-        # >= 1: the first page matched through the child's dict key
-        return max(1, common_tokens(key, tokens, pos) // self.page_size)
 
     def keyed_prefix(self, tokens: Tokens) -> int:
         """How many leading tokens of `tokens` whole nodes hold with their page keys; read
@@ -147,9 +148,9 @@ class RadixTree(TreeState):
         if under is None:
             return self.root, 0
         path = under.path_to_root()
-        if sum(n.num_pages for n in path) != start_page or under.device_pages is None \
-                or not np.array_equal(under.device_pages,
-                                      pages[start_page - under.num_pages:start_page]):
+        if sum([n.num_pages for n in path]) != start_page or under.device_pages is None \
+                or not same_tokens(under.device_pages,
+                                   pages[start_page - under.num_pages:start_page]):
             raise InvariantError("insert: the caller's matched prefix is not where "
                                  "these tokens lead (tokens changed since the match?)")
         return under, start_page * self.page_size
@@ -158,7 +159,7 @@ class RadixTree(TreeState):
                        res: InsertResult) -> None:
         theirs = pages[first:first + node.num_pages]
         if first + node.num_pages <= start:  # the caller's own matched prefix
-            if node.device_pages is None or not np.array_equal(node.device_pages, theirs):
+            if node.device_pages is None or not same_tokens(node.device_pages, theirs):
                 raise InvariantError("insert: the caller's matched prefix is not where "
                                      "these tokens lead (tokens changed since the match?)")
             return
@@ -267,8 +268,10 @@ class RadixTree(TreeState):
             upper.hashes, node.hashes = node.hashes[:num_pages], node.hashes[num_pages:]
         if node.stored is not None:
             upper.stored, node.stored = node.stored[:num_pages], node.stored[num_pages:]
-        for op in {id(o): o for o in (node.load_op, node.write_op) if o is not None}.values():
-            op.nodes.append(upper)
+        if node.load_op is not None or node.write_op is not None:  # (rare: skip the dict)
+            for op in {id(o): o for o in (node.load_op, node.write_op)
+                       if o is not None}.values():
+                op.nodes.append(upper)
         if node.host_ref:  # whoever protects node's host pages now protects upper's too
             for hook in self.on_split:
                 hook(node, upper)
