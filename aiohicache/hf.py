@@ -89,6 +89,7 @@ def kv_spec(config: PretrainedConfig, dtype: torch.dtype | str | None = None) ->
 def forward(model: PreTrainedModel, tokens: list[int], past: DynamicCache, *,
             all_logits: bool = False) -> torch.Tensor:
     """One forward pass of `tokens` after what `past` holds (which it extends); blocking.
+    A pass that raises leaves `past` as it was (each layer's KV cut back to its length).
 
     Returns ``[1, q, vocab]`` logits: the last position's, or every position's. A
     `PoolCache` records the tokens (`HFAdapter.commit_decoded` checks them).
@@ -98,13 +99,34 @@ def forward(model: PreTrainedModel, tokens: list[int], past: DynamicCache, *,
     # called on the cache) the tokens are at other positions than recorded
     record = past.tokens if isinstance(past, PoolCache) and \
         len(past.tokens) == past.get_seq_length() else None
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1,
-                    **{cache_kwarg(model): past})
+    lengths = [_length(layer) for layer in past.layers]
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=0 if all_logits else 1,
+                        **{cache_kwarg(model): past})
+    except BaseException:
+        # NOTE: a pass that raised part-way (a layer's hook, out of memory) had extended the
+        # layers before it only: a retry then ran each layer over other positions (wrong
+        # logits, unsaid) and the tokens were never recorded again (nothing committable)
+        _truncate(past, lengths)
+        raise
     if record is not None:
         record.extend(int(t) for t in tokens)
     logits: torch.Tensor = out.logits
     return logits
+
+
+def _length(layer: object) -> int:
+    """Tokens of KV a cache layer holds (0 for a layer of another kind)."""
+    return layer.get_seq_length() if isinstance(layer, DynamicLayer) else 0
+
+
+def _truncate(past: DynamicCache, lengths: list[int]) -> None:
+    """Cut each KV layer of `past` back to its length in `lengths` (0: a layer added since)."""
+    for i, layer in enumerate(past.layers):
+        extra = _length(layer) - (lengths[i] if i < len(lengths) else 0)
+        if extra > 0 and isinstance(layer, DynamicLayer):
+            layer.crop(-extra)
 
 
 def cache_kwarg(model: PreTrainedModel) -> str:
@@ -393,14 +415,19 @@ class HFAdapter:
             raise ConfigError("tokens: must be the tokens the context fetched")
         cached = hit.num_cached_tokens
         reuse = min(cached, len(ids) - 1)
-        slots = await hit.allocate(len(ids) - cached) if len(ids) > cached else None
+        slots = await _new_slots(hit, len(ids) - cached)
         link = _PoolLink(self.cache, hit.device_indices[:reuse], slots, cached - reuse,
                          _LayerGates(self.cache.config.spec.num_layers))
         past = PoolCache(self.model.config, link, ids[:reuse])
-        logits = await self._run_gated(hit, link, past, ids[reuse:], all_logits)
-        past.detach()
-        if slots is not None:
-            await hit.commit(ids, slots)
+        try:
+            logits = await self._run_gated(hit, link, past, ids[reuse:], all_logits)
+            past.detach()
+            if slots is not None:
+                await hit.commit(ids, slots)
+        except BaseException:
+            if slots is not None and hit.num_cached_tokens == cached:  # not committed
+                _UNCOMMITTED[hit] = slots
+            raise
         tail = len(ids) % self.cache.config.page_size
         return Prefill(logits, past, reuse, len(ids),
                        slots[len(slots) - tail:] if slots is not None and tail else
@@ -542,6 +569,26 @@ class HFAdapter:
             pool.k_buffer(layer)[slots] = keys[0, :, span].transpose(0, 1)
             pool.v_buffer(layer)[slots] = values[0, :, span].transpose(0, 1)
 
+
+async def _new_slots(hit: FetchContext, count: int) -> torch.Tensor | None:
+    """Slots for a prefill's `count` new tokens: those a prefill that raised in `hit` left
+    leased, else new ones (None: no new tokens).
+
+    NOTE: the context hands out each slot once: run again, a prefill got the slots after
+    the first one's (a page's middle), and its commit was refused after the whole pass.
+    """
+    held = _UNCOMMITTED.pop(hit, None)
+    if count <= 0:
+        return None
+    if held is None or len(held) != count:
+        return await hit.allocate(count)
+    await hit.layer_ready(0)  # ClosedError once the context has ended: its slots are freed
+    return held
+
+
+_UNCOMMITTED: weakref.WeakKeyDictionary[FetchContext, torch.Tensor] = \
+    weakref.WeakKeyDictionary()
+"""Slots a prefill leased in a context and did not commit (it raised or was cancelled)."""
 
 _MODELS: weakref.WeakKeyDictionary[HiCache, weakref.ref[PreTrainedModel]] = \
     weakref.WeakKeyDictionary()

@@ -27,6 +27,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import hashlib
+import itertools
 import logging
 import threading
 import time
@@ -171,7 +172,7 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         kwargs: what SGLang's factory passes beside the config (unused).
 
     Every batch call returns a list (never None: SGLang's prefetch thread would stop for
-    good); a failing store is a miss (False) and is logged.
+    good); a failing store is a miss (False) and is logged (once a minute while it fails).
     """
 
     def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
@@ -198,6 +199,8 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         # of every batch would grow for the life of the server
         self._metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
         self._lock = threading.Lock()
+        self._closing = threading.Lock()
+        self._failures = _FailureLog()
         self._loop = _LoopThread(f"aiohicache-sglang-{shard}")
 
     # ---------------------------------------------------------------- setup and teardown
@@ -226,34 +229,48 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
                  fmt.payload_bytes)
 
     def close(self) -> None:
-        """Close the store and stop the loop thread (SGLang calls it on detach); idempotent."""
-        backend, self._backend = self._backend, None
-        if backend is not None:
-            try:
-                self._loop.run(backend.aclose, self.timeout_s)
-            except Exception:
-                log.exception("aiohicache storage: closing %s failed", self.url)
-        self._loop.stop()
+        """Close the store and stop the loop thread (SGLang calls it on detach); idempotent,
+        and a second thread closing meanwhile returns once the first is done."""
+        # NOTE: two at once: the second stopped the loop under the first's close of the
+        # store (cancelled, half done), then raised from the stopped loop
+        with self._closing:
+            backend, self._backend = self._backend, None
+            if backend is not None:
+                try:
+                    self._loop.run(backend.aclose, self.timeout_s)
+                except Exception:
+                    log.exception("aiohicache storage: closing %s failed", self.url)
+            self._loop.stop()
 
     # ---------------------------------------------------------------- zero-copy batch API
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """How many of `keys`, from the first, are stored (0 if the store fails)."""
+        """How many of `keys`, from the first, are stored (0 if the store fails).
+
+        Raises:
+            ConfigError: a key is not a str.
+        """
         if not keys:
             return 0
-        got = self._call(self._require(), "exists", lambda b: b.exists(self._keys(keys)), 0)
-        return int(got)
+        store_keys = self._keys(keys)
+        return int(self._call(self._require(), "exists", lambda b: b.exists(store_keys), 0))
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> list[bool]:
-        """Read each page into the host pool at ``host_indices[i * page_size]``."""
+        """Read each page into the host pool at ``host_indices[i * page_size]``.
+
+        Raises:
+            ConfigError: a key is not a str, or `host_indices` do not reach the last page
+                (nothing is read).
+        """
         start = time.perf_counter()
+        store_keys = self._keys(keys)
         backend = self._require()
-        staging = self._staging(backend, len(keys))
-        ok = self._call(backend, "get",
-                        lambda b: b.get_into(self._keys(keys), _views(staging)),
-                        [False] * len(keys))
         pool = self.mem_pool_host
+        _check_indices(host_indices, len(keys), pool.page_size)
+        staging = self._staging(backend, len(keys))
+        ok = self._call(backend, "get", lambda b: b.get_into(store_keys, _views(staging)),
+                        [False] * len(keys))
         for i, filled in enumerate(ok):
             if filled:
                 pool.set_from_flat_data_page(int(host_indices[i * pool.page_size]),
@@ -263,18 +280,23 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> list[bool]:
-        """Store the host pool's pages at ``host_indices[i * page_size]`` under `keys`."""
+        """Store the host pool's pages at ``host_indices[i * page_size]`` under `keys`.
+
+        Raises:
+            ConfigError: as `batch_get_v1` (nothing is stored).
+        """
         start = time.perf_counter()
+        store_keys = self._keys(keys)
         pool = self.mem_pool_host
         backend = self._require()
+        _check_indices(host_indices, len(keys), pool.page_size)
         staging = self._staging(backend, len(keys))
         for i in range(len(keys)):
             page = pool.get_data_page(int(host_indices[i * pool.page_size]), flat=True)
             staging[i].copy_(page.contiguous().view(torch.uint8))
-        ok = self._call(backend, "set",
-                        lambda b: b.set_from(self._keys(keys), _views(staging)),
+        ok = self._call(backend, "set", lambda b: b.set_from(store_keys, _views(staging)),
                         [False] * len(keys))
-        self._remember(keys, ok)
+        self._remember(store_keys, ok)
         self._record("backup", ok, start, backend)
         return list(ok)
 
@@ -291,14 +313,20 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
 
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
+        """Each key's page, as `get` reads it.
+
+        Raises:
+            ConfigError: a key is not a str; a target is not one page of the pool's dtype,
+                or shares memory with another (nothing is read).
+        """
         targets = list(target_locations or [None] * len(keys))
         if len(targets) != len(keys):
             raise ConfigError(f"target_locations: {len(targets)} for {len(keys)} keys")
+        store_keys = self._keys(keys)
         backend = self._require()
         staging = self._staging(backend, len(keys))
         _check_targets(targets, staging.shape[1], self._page_dtype)
-        ok = self._call(backend, "get",
-                        lambda b: b.get_into(self._keys(keys), _views(staging)),
+        ok = self._call(backend, "get", lambda b: b.get_into(store_keys, _views(staging)),
                         [False] * len(keys))
         out: list[torch.Tensor | None] = []
         for i, filled in enumerate(ok):
@@ -319,22 +347,26 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         """Store each flat page tensor of `values` under its key; True if all were stored.
 
         Raises:
-            ConfigError: a value is not one page's bytes long (nothing is stored).
+            ConfigError: a key is not a str, or a value is not one page of the pool's dtype
+                (nothing is stored).
         """
         if values is None or len(values) != len(keys):
             return False
+        store_keys = self._keys(keys)
         backend = self._require()
         staging = self._staging(backend, len(keys))
         for i, value in enumerate(values):
             raw = value.contiguous().view(torch.uint8).reshape(-1)
-            if raw.numel() != staging.shape[1]:  # copy_ would broadcast a 1-byte value
-                raise ConfigError(f"values[{i}]: {raw.numel()} bytes, a page holds "
-                                  f"{staging.shape[1]}")
+            # NOTE: bytes of another dtype (float16 for a bfloat16 pool) were stored as they
+            # are, and read back as the pool's dtype: noise served as KV; copy_ would
+            # broadcast a 1-byte value
+            if raw.numel() != staging.shape[1] or value.dtype != self._page_dtype:
+                raise ConfigError(f"values[{i}]: {raw.numel()} bytes of {value.dtype}, a page "
+                                  f"holds {staging.shape[1]} bytes of {self._page_dtype}")
             staging[i].copy_(raw)
-        ok = self._call(backend, "set",
-                        lambda b: b.set_from(self._keys(keys), _views(staging)),
+        ok = self._call(backend, "set", lambda b: b.set_from(store_keys, _views(staging)),
                         [False] * len(keys))
-        self._remember(keys, ok)
+        self._remember(store_keys, ok)
         return all(ok)
 
     # ---------------------------------------------------------------- admin
@@ -359,9 +391,19 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
 
     def _keys(self, keys: Sequence[str]) -> list[str]:
         """Store keys: SGLang's page hash bound to this model, shard and page format, as 64
-        hex digits."""
+        hex digits.
+
+        NOTE: made on the calling thread, before any I/O: made on the loop, a key that is
+        not a str was a miss with a traceback logged (for ever), or an AttributeError
+        after the pages were stored.
+        """
         prefix = self._key_prefix
-        return [hashlib.blake2b(prefix + k.encode(), digest_size=32).hexdigest() for k in keys]
+        try:
+            return [hashlib.blake2b(prefix + k.encode(), digest_size=32).hexdigest()
+                    for k in keys]
+        except AttributeError:
+            i, bad = next((i, k) for i, k in enumerate(keys) if not isinstance(k, str))
+            raise ConfigError(f"keys[{i}]: must be a str, got {bad!r}") from None
 
     @staticmethod
     def _staging(backend: StorageBackend, num_pages: int) -> torch.Tensor:
@@ -381,16 +423,17 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         it), not raise because the store is gone.
         """
         try:
-            return self._loop.run(lambda: op(backend), self.timeout_s)
-        except Exception:
-            log.warning("aiohicache storage: %s on %s failed; a miss", what, self.url,
-                        exc_info=True)
+            got = self._loop.run(lambda: op(backend), self.timeout_s)
+        except Exception as exc:
+            self._failures.failed(what, self.url, exc)
             return failed
+        self._failures.succeeded(self.url)
+        return got
 
-    def _remember(self, keys: Sequence[str], ok: Sequence[bool]) -> None:
+    def _remember(self, store_keys: Sequence[str], ok: Sequence[bool]) -> None:
         with self._lock:
             stored = self._stored
-            for key, good in zip(self._keys(keys), ok, strict=True):
+            for key, good in zip(store_keys, ok, strict=True):
                 if good:
                     stored[key] = None
                     stored.move_to_end(key)
@@ -438,3 +481,81 @@ def _check_targets(targets: Sequence[Any], page_bytes: int, dtype: torch.dtype) 
         if size != page_bytes or target.dtype != dtype:
             raise ConfigError(f"target_locations[{i}]: {size} bytes of {target.dtype}, a page "
                               f"holds {page_bytes} bytes of {dtype}")
+    # NOTE: two keys read into one target were both reported read, the first holding the
+    # second's page: a wrong-KV hit
+    if (pair := _first_overlap(targets)) is not None:
+        raise ConfigError(f"target_locations: {pair[0]} and {pair[1]} overlap (each key "
+                          f"needs a target of its own)")
+
+
+def _check_indices(host_indices: torch.Tensor, num_pages: int, page_size: int) -> None:
+    """Refuse, before any page moves, host indices that do not reach the last key's page
+    (torch's IndexError came after the pages before it were written into the pool)."""
+    if len(host_indices) < num_pages * page_size:
+        raise ConfigError(f"host_indices: {len(host_indices)} for {num_pages} pages of "
+                          f"{page_size} tokens")
+
+
+def _first_overlap(targets: Sequence[Any]) -> tuple[int, int] | None:
+    """Two of `targets` (tensors or None) that share memory (``i < j``), or None."""
+    spans = sorted((str(t.device), *_span(t), i) for i, t in enumerate(targets)
+                   if t is not None and t.numel())
+    # sorted by start, a span overlapping any later one overlaps the next one
+    for (device, _, end, i), (other, start, _, j) in itertools.pairwise(spans):
+        if device == other and start < end:
+            return min(i, j), max(i, j)
+    return None
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The addresses `tensor`'s elements lie in: ``[low, high)``, whatever its strides."""
+    size = tensor.element_size()
+    reach = [(n - 1) * stride * size for n, stride in zip(tensor.shape, tensor.stride(),
+                                                          strict=True)]
+    base = tensor.data_ptr()
+    return base + sum(r for r in reach if r < 0), base + sum(r for r in reach if r > 0) + size
+
+
+class _FailureLog:
+    """Logs a store's failures as runs: the first of a run with its traceback, then a count
+    (and the latest error) at most every `_FAILURE_LOG_S`, and the recovery.
+
+    NOTE: a warning with a traceback per failed call filled the log while the store was
+    down: each request's prefetch is two calls, every call a miss.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._failing = False
+        self._unlogged = 0
+        self._logged = 0.0
+
+    def failed(self, what: str, url: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        with self._lock:
+            first, self._failing = not self._failing, True
+            self._unlogged += 1
+            due = first or now - self._logged >= _FAILURE_LOG_S
+            if due:
+                count, self._unlogged, self._logged = self._unlogged, 0, now
+        if first:
+            log.warning("aiohicache storage: %s on %s failed; a miss (until it answers, "
+                        "failures are counted, logged every %.0f s)", what, url,
+                        _FAILURE_LOG_S, exc_info=exc)
+        elif due:
+            log.warning("aiohicache storage: %s still failing: %d calls missed, the latest "
+                        "%s: %r", url, count, what, exc)
+
+    def succeeded(self, url: str) -> None:
+        if not self._failing:  # NOTE: unlocked for every call: a stale read is harmless
+            return
+        with self._lock:
+            was, self._failing = self._failing, False
+            count, self._unlogged = self._unlogged, 0
+        if was:
+            log.info("aiohicache storage: %s answers again (%d calls missed since the last "
+                     "log)", url, count)
+
+
+_FAILURE_LOG_S = 60.0
+"""How often a store that keeps failing is logged again."""
