@@ -492,6 +492,7 @@ class HFAdapter:
                 not the tokens fed (a sampled token replaced) or differ from those committed
                 (the cache cropped below them); or the cache was fed another way than
                 `decode`/`forward`, so its tokens are unknown. Nothing is written.
+            ClosedError: the context's block has ended (nothing is written).
 
         Cancellation: as `FetchContext.allocate` and `commit`; a copy into the pool under
         way finishes on its thread first. The slots leased stay `prefill`'s for a next call.
@@ -535,6 +536,10 @@ class HFAdapter:
         if hit.num_cached_tokens != start:
             raise ConfigError(f"hit: holds {hit.num_cached_tokens} committed tokens, the "
                               f"prefill {start}: not its context, or it committed since")
+        # NOTE: ClosedError once the context's block has ended: slots a failed call left in
+        # `prefill` were freed then (maybe another prompt's committed pages now), and a call
+        # that needed no new slot wrote the decoded KV into them before its commit raised
+        await hit.ready()
         slots = await self._lease(hit, prefill, len(ids) - start)
         # NOTE: on the executor, as the passes: every layer's K/V of the decoded tokens
         # (2k tokens of a Llama-8B-sized spec on CPU: about 90 ms) held the loop

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from transformers import DynamicCache, PreTrainedModel
 
-from aiohicache import ConfigError, HiCache
+from aiohicache import ClosedError, ConfigError, HiCache
 from aiohicache.hf import HFAdapter, Prefill, cache_kwarg, forward, layer_kv, tiny_llama
 from tests.test_cancel_sweep_review import run_cancelled_at
 from tests.test_hf import (  # noqa: F401  (an autouse fixture)
@@ -277,3 +277,33 @@ async def test_a_replaced_token_in_a_later_commit_is_refused_too(
         assert await assert_cached_kv(cache, llama, [*prompt, *fed[:5]],
                                       [9, 1, 1, 1, 1, 1]) == 12
         cache.check_invariants()
+
+
+async def test_commit_decoded_after_its_context_ended_writes_nothing(
+        llama: PreTrainedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed `commit_decoded` keeps the slots it leased in the prefill (so a next call
+    commits). Called again after the context's block ended, it needed no new slot and wrote
+    the decoded KV into those slots, freed on exit and meanwhile another prompt's committed
+    pages, before its commit raised: that prompt was served the decoded tokens' KV. Now it
+    raises `ClosedError` before anything is written."""
+    prompt, other = tokens_of(10, seed=11), tokens_of(12, seed=12)
+    async with HiCache(config_for(llama, device_pages=5)) as cache:
+        adapter = HFAdapter(llama, cache)
+        async with cache.fetch(prompt) as hit:
+            out = await adapter.prefill(hit, prompt)
+            fed, _ = await decoded(adapter, out, 4)
+            with monkeypatch.context() as patch:
+                patch.setattr(adapter, "_store_decoded", _raise_oserror)
+                with pytest.raises(OSError):
+                    await adapter.commit_decoded(hit, out, [*prompt, *fed])
+        async with cache.fetch(other) as taken:  # gets the freed slots
+            await adapter.prefill(taken, other)
+            assert set(out.tail_slots.tolist()) & set(taken.device_indices.tolist())
+        with pytest.raises(ClosedError):
+            await adapter.commit_decoded(hit, out, [*prompt, *fed])
+        assert await assert_cached_kv(cache, llama, other, [12]) == 12
+        cache.check_invariants()
+
+
+def _raise_oserror(*_: object) -> None:
+    raise OSError("the decoded KV's copy failed")
