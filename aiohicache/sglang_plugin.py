@@ -40,7 +40,7 @@ import torch
 
 from ._validate import check_int, check_number
 from .errors import ConfigError
-from .storage import BackendStats, PageFormat, StorageBackend, backend_from_url
+from .storage import BackendStats, Breaker, PageFormat, StorageBackend, backend_from_url
 
 try:  # subclass SGLang's base class where SGLang is installed: its factory checks for it
     from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-found]
@@ -167,8 +167,11 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
             (default ``file:///tmp/aiohicache-sglang``; ``redis://host:port/db`` too),
             ``storage_options`` (keyword arguments of the store, e.g. ``capacity_bytes``),
             ``namespace`` (what keys bind instead of ``model_name``),
-            ``timeout_s`` (per call, default 30) and ``clear_memory`` (how many of the
-            keys this process stored `clear` remembers, the most recent; default 1,048,576).
+            ``timeout_s`` (per call, default 30), ``failures_to_open`` and ``cooldown_s``
+            (a store that failed that many calls in a row is skipped for that long, each
+            call a miss at once, then probed; default 3 and 10) and ``clear_memory`` (how
+            many of the keys this process stored `clear` remembers, the most recent; default
+            1,048,576).
         kwargs: what SGLang's factory passes beside the config (unused).
 
     Every batch call returns a list (never None: SGLang's prefetch thread would stop for
@@ -183,6 +186,11 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
                                       low_open=True)
         self.clear_memory = check_int("clear_memory", extra.get("clear_memory", _CLEAR_MEMORY),
                                       low=0)
+        # NOTE: a store that hangs (a stopped Redis, a dead NFS server) cost every call of
+        # SGLang's prefetch and backup threads `timeout_s`, for as long as it hung
+        self._breaker = Breaker(failures_to_open=extra.get("failures_to_open", 3),
+                                cooldown_s=extra.get("cooldown_s", 10.0))
+        self._breaker_lock = threading.Lock()  # SGLang's threads call at once
         shard = _shard(storage_config)
         self.namespace = f"sglang|{_model_namespace(storage_config, extra)}|{shard}"
         self._key_prefix = self.namespace.encode() + b"|"
@@ -422,11 +430,20 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         another thread meanwhile, and the batch must then end as a miss (the loop refuses
         it), not raise because the store is gone.
         """
+        with self._breaker_lock:
+            allowed = self._breaker.allow()
+        if not allowed:
+            self._failures.failed(what, self.url, _SKIPPED)
+            return failed
         try:
             got = self._loop.run(lambda: op(backend), self.timeout_s)
         except Exception as exc:
+            with self._breaker_lock:
+                self._breaker.record_failure()
             self._failures.failed(what, self.url, exc)
             return failed
+        with self._breaker_lock:
+            self._breaker.record_success()
         self._failures.succeeded(self.url)
         return got
 
@@ -556,6 +573,9 @@ class _FailureLog:
             log.info("aiohicache storage: %s answers again (%d calls missed since the last "
                      "log)", url, count)
 
+
+_SKIPPED = ConnectionError("skipped: the store failed the calls before (the breaker is open)")
+"""What a call the breaker skipped is logged with."""
 
 _FAILURE_LOG_S = 60.0
 """How often a store that keeps failing is logged again."""

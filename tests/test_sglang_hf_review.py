@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from aiohicache import ConfigError
+from aiohicache._redis_server import RedisServer
 from aiohicache.sglang_plugin import AiohicacheStorage
 from tests.test_sglang_plugin import (
     PAGE,
@@ -147,6 +149,45 @@ def test_a_failing_store_logs_its_failure_once_not_a_traceback_per_call(
         assert "exists on redis://127.0.0.1:1/0 failed" in caplog.records[0].getMessage()
     finally:
         backend.close()
+
+
+def test_a_store_that_hangs_is_skipped_after_failures_to_open_calls_then_probed() -> None:
+    """A Redis that hangs (SIGSTOP: connections open, nothing answers) cost every call of
+    SGLang's prefetch and backup threads its socket timeout, for as long as it hung. After
+    `failures_to_open` failed calls in a row the store is skipped for `cooldown_s` (each call
+    a miss at once); then one call probes it, and once it answers, pages are served again."""
+    with RedisServer() as server:
+        backend = make_backend(server.url(), extra={"failures_to_open": 2, "cooldown_s": 0.5})
+        backend.options.update(socket_timeout=0.3, retries=0)
+        backend.register_mem_pool_host(MHAHostPool(4))
+        keys = page_hashes(list(range(4 * PAGE)))
+        try:
+            assert backend.batch_set_v1(keys, indices(range(4))) == [True] * 4
+            server.pause()
+            slow = [timed(backend.batch_exists, keys) for _ in range(2)]
+            skipped = [timed(backend.batch_exists, keys) for _ in range(20)]
+            assert [n for n, _ in slow + skipped] == [0] * 22
+            assert min(t for _, t in slow) >= 0.25  # each waited its socket timeout
+            assert sum(t for _, t in skipped) < 0.25  # twenty calls: no wait at all
+            server.resume()
+            time.sleep(0.6)  # the cool-down: the next call is the probe
+            assert backend.batch_exists(keys) == 4
+            assert backend.batch_get_v1(keys, indices(range(4))) == [True] * 4
+        finally:
+            server.resume()
+            backend.close()
+
+
+def test_the_breaker_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="failures_to_open"):
+        make_backend("memory://", extra={"failures_to_open": 0})
+    with pytest.raises(ConfigError, match="cooldown_s"):
+        make_backend("memory://", extra={"cooldown_s": -1})
+
+
+def timed(call: Any, *args: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
+    return call(*args), time.perf_counter() - start
 
 
 # ---------------------------------------------------------------- transformers adapter
