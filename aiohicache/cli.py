@@ -261,7 +261,8 @@ def _cache_options(ctx: click.Context, param: click.Parameter,
 @click.option("--max-running", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests generating at once; more wait before touching the cache.")
 @click.option("--max-waiting", type=click.IntRange(min=0), default=1024, show_default=True,
-              help="Requests that may wait for a turn; one more gets a 503 (Retry-After).")
+              help="Requests that may wait for a turn (reading, tokenizing or queued); one "
+                   "more gets a 503 (Retry-After).")
 @click.option("--torch-threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="torch's intra-op threads (the CPU copy engine sets 1 process-wide anyway).")
 @click.option("--seed", type=int, default=0, show_default=True,

@@ -31,7 +31,15 @@ from .. import ConfigError, HiCacheError
 from .._concurrency import finish_then_cancel
 from .._validate import check_int, check_number
 from ._chat import chat_ids, check_messages
-from .engine import Engine, EngineBusy, PromptError, SamplingParams, Tokenizer, Usage
+from .engine import (
+    Engine,
+    EngineBusy,
+    EngineConfig,
+    PromptError,
+    SamplingParams,
+    Tokenizer,
+    Usage,
+)
 
 __all__ = ("ListenError", "build_app", "running_server", "serve")
 
@@ -78,10 +86,11 @@ class _TooSlow(_BadRequest):
 
 
 class _InFlight:
-    """The tasks of the requests that reach the engine, so a stopping server can drain them.
+    """The tasks of the requests in the server, so a stopping server can drain them.
 
     Once `closed`, requests are answered 503 before they touch the engine, so the set only
-    shrinks while the server waits for it.
+    shrinks while the server waits for it; but for ``/metrics``, which Prometheus scrapes on
+    its kept-alive connection to watch the drain.
     """
 
     def __init__(self) -> None:
@@ -90,7 +99,8 @@ class _InFlight:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
-        if self.closed:
+        # NOTE: /metrics was a 503 too: the drain could not be watched
+        if self.closed and request.path != "/metrics":
             return _error(503, "the server is shutting down", "server_error")
         task = asyncio.current_task()
         assert task is not None
@@ -110,6 +120,33 @@ class _InFlight:
             task.cancel()
 
 
+@web.middleware
+async def _json_errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    """Every error in OpenAI's JSON shape, which OpenAI clients parse.
+
+    NOTE: aiohttp's own (an unknown path, a wrong method, a handler's exception) were plain
+    text: a client reported a decoding error instead of the server's."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        where = f"{request.method} {request.path:.100}"
+        message = f"{where}: no such endpoint" if exc.status == 404 else \
+            f"{where}: {exc.reason.lower()}"
+        if exc.status == 405:
+            message += f" (allowed: {exc.headers.get('Allow', '')})"
+        response = _error(exc.status, message)
+        if "Allow" in exc.headers:
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
+    except Exception:
+        if request.writer.output_size > 0:  # an answer is under way: aiohttp drops it
+            raise
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(500, "the server failed to answer (its log says why)", "server_error")
+
+
 ENGINE = web.AppKey("engine", Engine)
 _IN_FLIGHT = web.AppKey("in_flight", _InFlight)
 _STALL_TIMEOUT = web.AppKey("stall_timeout", float)
@@ -118,6 +155,31 @@ _TOKENIZING = web.AppKey("tokenizing", anyio.CapacityLimiter)
 """One prompt tokenized off the loop at a time: an HF fast tokenizer is one object that
 refuses ("Already borrowed", tokenizers#537) to change its truncation or padding while
 another thread encodes with it."""
+
+
+class _Room:
+    """How many requests are in the completion handlers: reading their bodies, tokenizing,
+    waiting for a turn or generating. At most ``max_running + max_waiting`` (none with no
+    `max_waiting`): one more is refused before its body is read.
+
+    NOTE: the engine's `max_waiting` counted only requests already tokenized: any number of
+    clients could each have a body of up to 1 MiB read, parsed and queued for the one
+    tokenizer thread (tens of MB each, as lists of messages and token ids), past the
+    bound that was to shed such a load."""
+
+    __slots__ = ("bound", "inside")
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.bound = None if config.max_waiting is None else \
+            config.max_running + config.max_waiting
+        self.inside = 0
+
+    @property
+    def full(self) -> bool:
+        return self.bound is not None and self.inside >= self.bound
+
+
+_ROOM = web.AppKey("room", _Room)
 
 
 def build_app(engine: Engine, *, stall_timeout: float = 30.0,
@@ -132,12 +194,13 @@ def build_app(engine: Engine, *, stall_timeout: float = 30.0,
         ConfigError: `stall_timeout` or `read_timeout` is not a positive finite number.
     """
     in_flight = _InFlight()
-    app = web.Application(middlewares=[in_flight.middleware])
+    app = web.Application(middlewares=[_json_errors, in_flight.middleware])
     app[ENGINE] = engine
     app[_IN_FLIGHT] = in_flight
     app[_STALL_TIMEOUT] = check_number("stall_timeout", stall_timeout, low=0, low_open=True)
     app[_READ_TIMEOUT] = check_number("read_timeout", read_timeout, low=0, low_open=True)
     app[_TOKENIZING] = anyio.CapacityLimiter(1)
+    app[_ROOM] = _Room(engine.config)
     app.add_routes([web.post("/v1/completions", completions),
                     web.post("/v1/chat/completions", chat_completions),
                     web.get("/metrics", metrics), web.get("/health", health),
@@ -334,14 +397,28 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _complete(request: web.Request, kind: _Kind) -> web.StreamResponse:
+    room = request.app[_ROOM]
+    if room.full:
+        request.app[ENGINE].metrics.busy_rejections += 1
+        return _busy(f"{room.inside} requests already in the server, the most it takes "
+                     f"(max_running + max_waiting)")
+    room.inside += 1
+    try:
+        return await _complete_admitted(request, kind)
+    finally:
+        room.inside -= 1
+
+
+async def _complete_admitted(request: web.Request, kind: _Kind) -> web.StreamResponse:
     engine = request.app[ENGINE]
     try:
         body = await _json_body(request)
         _check_model(body, engine.name)
         prompt = await kind.prompt(request.app, body)
-        params = _params(body, kind, engine.max_positions - len(prompt))
+        params = _params(body, kind, len(prompt), engine.max_positions)
         stop = _stop_strings(body)
         stream = _flag(body, "stream")
+        usage_chunk = _usage_chunk(body)
     except _TooSlow as exc:
         return await _answer_and_close(request, _error(exc.status, str(exc)))
     except _BadRequest as exc:
@@ -358,9 +435,7 @@ async def _complete(request: web.Request, kind: _Kind) -> web.StreamResponse:
         except PromptError as exc:
             return _error(400, _prompt_error(exc, kind))
         except EngineBusy as exc:
-            response = _error(503, f"server busy: {exc}", "server_busy")
-            response.headers["Retry-After"] = "1"
-            return response
+            return _busy(str(exc))
         except ConfigError as exc:  # NOTE: the server's set-up, not the request: was a 400
             log.error("completion failed: %s", exc)
             return _error(500, f"server misconfigured: {exc}", "server_error")
@@ -369,7 +444,8 @@ async def _complete(request: web.Request, kind: _Kind) -> web.StreamResponse:
         head = _head(engine, kind)
         text = _Text(engine.tokenizer, stop)
         if stream:
-            return await _stream(request, head, first, tokens, usage, body, text, kind)
+            return await _stream(request, head, first, tokens, usage, usage_chunk, text,
+                                 kind)
         ids: list[int] = []
         pieces: list[str] = []
         token: int | None = first
@@ -384,10 +460,10 @@ async def _complete(request: web.Request, kind: _Kind) -> web.StreamResponse:
 
 
 async def _stream(request: web.Request, head: dict[str, Any], first: int,
-                  tokens: AsyncGenerator[int, None], usage: Usage, body: dict[str, Any],
+                  tokens: AsyncGenerator[int, None], usage: Usage, usage_chunk: bool,
                   text: _Text, kind: _Kind) -> web.StreamResponse:
     """Server-sent events: one chunk per token as soon as it is sampled, a last one with no
-    text and the finish reason, then usage if asked for, then ``[DONE]``.
+    text and the finish reason, then usage if asked for (`usage_chunk`), then ``[DONE]``.
 
     NOTE: a token's chunk is not held back to carry the finish reason: it waited for the next
     token's decode step (time to first token included one)."""
@@ -405,11 +481,14 @@ async def _stream(request: web.Request, head: dict[str, Any], first: int,
             piece = kind.chunk(text.push(token, usage), None, sent == 0)
             await send.event({**head, "choices": [piece], "token_ids": [token]})
             sent += 1
-            token = await anext(tokens, None)  # as in `_complete`
+            try:
+                token = await anext(tokens, None)  # as in `_complete`
+            except Exception:  # NOTE: the stream was cut with no word: see `_failed`
+                await _failed(send)
+                return resp
         last = kind.chunk(text.flush(), text.finish_reason(usage), False)
         await send.event({**head, "choices": [last], "token_ids": []})
-        options = body.get("stream_options") or {}
-        if isinstance(options, dict) and options.get("include_usage"):
+        if usage_chunk:
             await send.event({**head, "choices": [], "usage": _usage(usage),
                               "aiohicache": {"cached_tiers": usage.tiers}})
         await send(b"data: [DONE]\n\n")
@@ -433,6 +512,19 @@ async def _stream(request: web.Request, head: dict[str, Any], first: int,
             raise  # not the client's connection
         log.debug("the client of a stream went away")
     return resp
+
+
+async def _failed(send: _Sender) -> None:
+    """End a stream whose generation failed (the model raised: a CUDA out-of-memory) with an
+    error event, as vLLM's, which an OpenAI client raises as the server's error.
+
+    NOTE: it was cut with no word: aiohttp logged the error, the client saw a broken
+    connection, or a truncated answer."""
+    log.exception("a streamed generation failed")
+    await send.event(_error_body("the generation failed (the server's log says why)",
+                                 "server_error"))
+    await send(b"data: [DONE]\n\n")
+    await send.eof()
 
 
 class _Stalled(Exception):
@@ -644,7 +736,7 @@ async def _prompt(app: web.Application, prompt: object) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        _check_text(prompt)
+        _check_text("prompt", prompt)
         encode = app[ENGINE].tokenizer.encode
         if len(prompt) <= _INLINE_CHARS:
             return list(encode(prompt))
@@ -656,29 +748,39 @@ async def _prompt(app: web.Application, prompt: object) -> list[int]:
                       "request)")
 
 
-def _check_text(prompt: str) -> None:
+def _check_text(field_name: str, text: str) -> None:
     """Refuse text that is not Unicode scalar values (JSON can spell a lone surrogate,
-    ``"\\ud800"``, which no tokenizer encodes: it was a 500)."""
-    if prompt.isascii():  # O(1): CPython records it
+    ``"\\ud800"``, which no tokenizer encodes, nor any decoded text holds: a prompt with
+    one was a 500)."""
+    if text.isascii():  # O(1): CPython records it
         return
     try:
-        prompt.encode()
+        text.encode()
     except UnicodeEncodeError as exc:
-        raise _BadRequest(f"prompt: not valid Unicode text (a lone surrogate at character "
-                          f"{exc.start})") from None
+        raise _BadRequest(f"{field_name}: not valid Unicode text (a lone surrogate at "
+                          f"character {exc.start})") from None
 
 
-def _params(body: dict[str, Any], kind: _Kind, room: int) -> SamplingParams:
-    """`room`: the tokens the model's context has left after the prompt."""
+def _params(body: dict[str, Any], kind: _Kind, length: int, positions: int) -> SamplingParams:
+    """The sampling fields, for a prompt of `length` tokens and a model of `positions`."""
     _refuse_unsupported(body, kind.unsupported)
-    max_tokens = check_int(*kind.max_tokens(body, room), low=1, high=_MAX_TOKENS_LIMIT,
+    field_name, value = kind.max_tokens(body, positions - length)
+    max_tokens = check_int(field_name, _integral(value), low=1, high=_MAX_TOKENS_LIMIT,
                            error=_BadRequest)
+    # NOTE: checked here, naming the fields the client sent: the engine's check named
+    # ``max_tokens`` to a chat that sent ``max_completion_tokens`` (or none at all)
+    if length >= positions:
+        raise _BadRequest(f"{kind.prompt_field}: {length} tokens + at least 1 generated "
+                          f"exceed the model's {positions} positions")
+    if length + max_tokens > positions:
+        raise _BadRequest(f"{kind.prompt_field}: {length} tokens + {field_name} {max_tokens} "
+                          f"exceed the model's {positions} positions")
     temperature = check_number("temperature", _given(body, "temperature", 1.0), low=0,
                                high=2, error=_BadRequest)
     seed = body.get("seed")
     if seed is not None:
-        seed = check_int("seed", seed, low=-(1 << 63), high=(1 << 64) - 1,  # torch's range
-                         error=_BadRequest)
+        seed = check_int("seed", _integral(seed), low=-(1 << 63),
+                         high=(1 << 64) - 1, error=_BadRequest)  # torch's range
     top_p = check_number("top_p", _given(body, "top_p", 1.0), low=0, low_open=True, high=1,
                          error=_BadRequest)
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
@@ -697,6 +799,8 @@ def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
             or not all(isinstance(s, str) and 0 < len(s) <= _MAX_STOP_CHARS for s in stops):
         raise _BadRequest(f"stop: a string or a list of at most {_MAX_STOPS} strings, each "
                           f"of 1..{_MAX_STOP_CHARS} characters (got {value!r:.80})")
+    for stop in stops:  # NOTE: one with a lone surrogate was taken, and could never match
+        _check_text("stop", stop)
     return tuple(stops)
 
 
@@ -744,7 +848,7 @@ null): any other value is refused, naming the field. NOTE: they were ignored, so
 
 def _refuse_unsupported(body: dict[str, Any], fields: dict[str, tuple[object, ...]]) -> None:
     for name, neutral in fields.items():
-        value = body.get(name)
+        value = _integral(body.get(name))
         # of the neutral value's type too: True == 1 and False == 0 in Python
         if value is not None and not any(type(value) is type(n) and value == n
                                          for n in neutral):
@@ -752,11 +856,38 @@ def _refuse_unsupported(body: dict[str, Any], fields: dict[str, tuple[object, ..
                               f"leave it out")
 
 
-def _flag(body: dict[str, Any], name: str) -> bool:
+def _flag(body: dict[str, Any], name: str, label: str = "") -> bool:
+    """A boolean field (null: false); `label`: its name as the client sees it, if not
+    `name`. NOTE: strict, where vLLM's pydantic also reads ``"false"`` or 0 as false: a
+    string here was read as true."""
     value = _given(body, name, False)
     if not isinstance(value, bool):
-        raise _BadRequest(f"{name}: true or false")
+        raise _BadRequest(f"{label or name}: true or false (got {value!r:.40})")
     return value
+
+
+def _integral(value: object) -> object:
+    """An integral float as its int, anything else as is: vLLM's pydantic models read
+    ``8.0`` as 8, and a Python client that computes a length sends it (``json.dumps`` of a
+    float). NOTE: ``"n": 1.0`` was refused as not supported, ``"max_tokens": 8.0`` as no
+    int."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _usage_chunk(body: dict[str, Any]) -> bool:
+    """Whether a stream ends with a usage chunk: ``stream_options.include_usage``.
+
+    NOTE: ``stream_options`` that was no object was ignored, and an ``include_usage`` read
+    as true if truthy (``"false"`` sent usage); vLLM refuses both."""
+    options = _given(body, "stream_options", {})
+    if not isinstance(options, dict):
+        raise _BadRequest(f"stream_options: an object such as {{\"include_usage\": true}}, "
+                          f"or null (got {options!r:.40})")
+    if _given(options, "continuous_usage_stats", False) is not False:  # vLLM's: every chunk
+        raise _BadRequest(f"stream_options.continuous_usage_stats: not supported by this "
+                          f"server (got {options['continuous_usage_stats']!r:.40}); leave it "
+                          f"out")
+    return _flag(options, "include_usage", "stream_options.include_usage")
 
 
 # ---------------------------------------------------------------------------- responses
@@ -780,8 +911,18 @@ def _usage(usage: Usage) -> dict[str, Any]:
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", *,
            code: str | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": None,
-                                        "code": code}}, status=status)
+    return web.json_response(_error_body(message, kind, code), status=status)
+
+
+def _error_body(message: str, kind: str, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def _busy(message: str) -> web.Response:
+    response = _error(503, f"server busy: {message}", "server_busy")
+    response.headers["Retry-After"] = "1"
+    return response
 
 
 def _prompt_error(exc: PromptError, kind: _Kind) -> str:

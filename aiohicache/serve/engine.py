@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -57,12 +58,39 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+_ID_TEXT = re.compile(r"<([1-9][0-9]{2,9})>")
+
+
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255; ids past 255 (a random model emits them) decode as
-    ``<id>``. For the tiny random model, which has no tokenizer of its own."""
+    ``<id>``, and, given the model's `vocab_size`, encode back to it (as a transformers
+    tokenizer reads a special token in text). For the tiny random model, which has no
+    tokenizer of its own."""
+
+    vocab_size = 256
+    """Ids below it read back from ``<id>``; 256: none (a subclass made before it was
+    asked for has it too)."""
+
+    def __init__(self, vocab_size: int = 256) -> None:
+        self.vocab_size = check_int("vocab_size", vocab_size, low=256)
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode())
+        """The UTF-8 bytes of `text`, but ``<id>`` (as `decode` writes it: no leading zero)
+        for an id of 256..`vocab_size` - 1.
+
+        NOTE: ``<id>`` was its bytes: a chat's next turn, quoting the tiny model's answer,
+        was other tokens than the answer, and missed its cached KV."""
+        if self.vocab_size == 256 or "<" not in text:
+            return list(text.encode())
+        ids: list[int] = []
+        at = 0
+        for found in _ID_TEXT.finditer(text):
+            if 256 <= int(found[1]) < self.vocab_size:
+                ids += text[at:found.start()].encode()
+                ids.append(int(found[1]))
+                at = found.end()
+        ids += text[at:].encode()
+        return ids
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
         """A plain chat template: each message as ``<|role|>`` and its text on lines of their
@@ -111,7 +139,8 @@ class EngineConfig:
     touch the cache, so waiting requests pin no device pages."""
     max_waiting: int | None = 1024
     """Requests that may wait for a turn; one more is refused at once (`EngineBusy`, HTTP
-    503 with ``Retry-After``) rather than queued for ever. None: no bound."""
+    503 with ``Retry-After``) rather than queued for ever. None: no bound. The server counts
+    a request as waiting from when it arrives (its body read, its prompt tokenized)."""
     namespace: str | None = None
     """The cache's namespace (part of every L3 key); None: `weights_namespace` of the
     model, so servers of one model share L3 pages and other models (or other weights of

@@ -26,7 +26,8 @@ def load_model(path: str | None = None, *, seed: int = 0) -> tuple[PreTrainedMod
         ConfigError: `path` is not a loadable local checkpoint.
     """
     if path is None:
-        return tiny_llama(seed=seed), ByteTokenizer(), "tiny-llama"
+        model = tiny_llama(seed=seed)
+        return model, ByteTokenizer(model.config.vocab_size), "tiny-llama"
     try:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
                                                      dtype=torch.float32)
@@ -34,12 +35,12 @@ def load_model(path: str | None = None, *, seed: int = 0) -> tuple[PreTrainedMod
         raise ConfigError(f"model: cannot load a local checkpoint from {path!r}: {exc}") \
             from None
     model.train(False)
-    return model, _tokenizer(path), os.path.basename(os.path.normpath(path))
+    return model, _tokenizer(path, model), os.path.basename(os.path.normpath(path))
 
 
-def _tokenizer(path: str) -> Tokenizer:
+def _tokenizer(path: str, model: PreTrainedModel) -> Tokenizer:
     try:
         tok: Any = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError):
-        return ByteTokenizer()
+        return ByteTokenizer(max(256, int(model.config.vocab_size)))
     return tok  # type: ignore[no-any-return]
