@@ -218,6 +218,13 @@ def _tree_capacity(capacity: str, page_size: int) -> int:
     return tokens
 
 
+def _served_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A name, if given: an empty one was the default name, unsaid."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("must be a name (not empty)")
+    return value
+
+
 def _cache_options(ctx: click.Context, param: click.Parameter,
                    values: tuple[str, ...]) -> dict[str, Any]:
     """``NAME=VALUE`` pairs as a dict, each value read as JSON (a number, true, a list: as a
@@ -245,7 +252,7 @@ def _cache_options(ctx: click.Context, param: click.Parameter,
 @click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False),
               default=None, help="A local HF checkpoint directory (default: a tiny random "
                                  "Llama built in-process; nothing is downloaded).")
-@click.option("--served-model-name", default=None,
+@click.option("--served-model-name", default=None, callback=_served_name,
               help="The name requests' `model` must give, and /v1/models lists (default: "
                    "the checkpoint directory's name, or tiny-llama).")
 @click.option("--page-size", type=click.IntRange(1, 256), default=16, show_default=True)
@@ -308,6 +315,7 @@ def serve(host: str, port: int, model_path: str | None, served_model_name: str |
             flag = {"device_tokens": "--l1", "host_tokens": "--l2",
                     "cache_options": "--cache-option", "storage": "--l3"}
             field_name, _, why = str(exc).partition(": ")
+            why = why.replace("host_tokens 0", "--l2 0")  # the flag the user gave
             raise click.BadParameter(why, param_hint=f"'{flag.get(field_name, field_name)}'") \
                 from None
 

@@ -71,7 +71,8 @@ def test_an_l3_with_no_l2_is_refused_by_the_engine_config() -> None:
     (["--cache-option", "tp_size=2"], "--cache-option", "'tp_size' is set by the engine"),
     (["--cache-option", "eviction=bogus"], "--cache-option", "eviction: must be one of"),
     (["--cache-option", "prefetch_threshold=-1"], "--cache-option", "prefetch_threshold"),
-    (["--l2", "0", "--l3", "memory://"], "--l3", "host_tokens 0 leaves no L2"),
+    (["--l2", "0", "--l3", "memory://"], "--l3", "--l2 0 leaves no L2"),
+    (["--served-model-name", " "], "--served-model-name", "must be a name (not empty)"),
 ])
 def test_the_serve_command_refuses_cache_settings_before_it_loads_the_model(
         args: list[str], hint: str, message: str) -> None:
