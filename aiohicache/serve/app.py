@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -204,7 +205,7 @@ def build_app(engine: Engine, *, stall_timeout: float = 30.0,
     app.add_routes([web.post("/v1/completions", completions),
                     web.post("/v1/chat/completions", chat_completions),
                     web.get("/metrics", metrics), web.get("/health", health),
-                    web.get("/v1/models", models)])
+                    web.get("/v1/models", models), web.get("/v1/models/{model:.+}", model)])
     return app
 
 
@@ -418,6 +419,10 @@ async def _complete_admitted(request: web.Request, kind: _Kind) -> web.StreamRes
         params = _params(body, kind, len(prompt), engine.max_positions)
         stop = _stop_strings(body)
         stream = _flag(body, "stream")
+        if not stream and _given(body, "stream_options", None) is not None:
+            # NOTE: was ignored unsaid (OpenAI and vLLM refuse it): a client that asked for
+            # a usage chunk thought it would get one
+            raise _BadRequest("stream_options: only with \"stream\": true")
         usage_chunk = _usage_chunk(body)
     except _TooSlow as exc:
         return await _answer_and_close(request, _error(exc.status, str(exc)))
@@ -691,9 +696,21 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    name = request.app[ENGINE].name
-    return web.json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "created": 0, "owned_by": "aiohicache"}]})
+    return web.json_response({"object": "list", "data": [_model_card(request.app[ENGINE])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}`` (the OpenAI SDK's ``models.retrieve``): the served model, or
+    a 404 ``model_not_found``."""
+    engine, asked = request.app[ENGINE], request.match_info["model"]
+    if asked != engine.name:
+        return _error(404, f"model: {asked!r:.80} is not served here (this server runs "
+                           f"{engine.name!r})", code="model_not_found")
+    return web.json_response(_model_card(engine))
+
+
+def _model_card(engine: Engine) -> dict[str, Any]:
+    return {"id": engine.name, "object": "model", "created": 0, "owned_by": "aiohicache"}
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -915,8 +932,15 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", *,
 
 
 def _error_body(message: str, kind: str, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    """OpenAI's error shape; ``param`` is the field a message begins by naming
+    (``max_tokens: ...``), as OpenAI's, else null."""
+    named = _NAMED_FIELD.match(message) if kind == "invalid_request_error" else None
+    return {"error": {"message": message, "type": kind,
+                      "param": named[1] if named else None, "code": code}}
+
+
+_NAMED_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
+"""A message that names a request's field first: ``stop[1]: ...``."""
 
 
 def _busy(message: str) -> web.Response:

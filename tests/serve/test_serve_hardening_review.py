@@ -252,7 +252,7 @@ async def test_a_request_for_another_model_is_a_404_naming_the_served_one() -> N
             assert got["status"] == 404
             assert got["error"] == {"message": "model: 'gpt-4' is not served here (this "
                                                "server runs 'tiny-llama')",
-                                    "type": "invalid_request_error", "param": None,
+                                    "type": "invalid_request_error", "param": "model",
                                     "code": "model_not_found"}
             for model in ("tiny-llama", None):
                 got = await post(session, url, path, {**body, "model": model, "max_tokens": 1})

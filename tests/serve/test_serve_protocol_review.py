@@ -353,3 +353,49 @@ async def test_a_tiny_model_answer_quoted_next_turn_is_served_its_kv() -> None:
     # the answer's KV is cached but for its last token's (never computed), by whole pages
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == \
         (prompt + len(ids) - 1) // 16 * 16 > prompt // 16 * 16
+
+
+async def test_a_model_is_retrieved_by_its_id_and_another_is_a_404() -> None:
+    """``GET /v1/models/{id}`` (the OpenAI SDK's ``models.retrieve``) was a 404 for every
+    id: the served model's card now, and for another id a 404 ``model_not_found``."""
+    async with engine() as eng, running_server(eng) as url, \
+            aiohttp.ClientSession() as session:
+        async with session.get(f"{url}/v1/models/tiny-llama") as resp:
+            assert resp.status == 200
+            assert await resp.json() == {"id": "tiny-llama", "object": "model",
+                                         "created": 0, "owned_by": "aiohicache"}
+        async with session.get(f"{url}/v1/models/org/other") as resp:
+            body = await resp.json()
+        assert resp.status == 404 and is_openai_error(body, 404, "invalid_request_error")
+        assert body["error"]["code"] == "model_not_found"
+
+
+async def test_stream_options_without_a_stream_are_refused() -> None:
+    """``stream_options`` on a request that does not stream was ignored unsaid (OpenAI and
+    vLLM refuse it): a client that asked for a usage chunk believed it would get one."""
+    async with engine() as eng, running_server(eng) as url, \
+            aiohttp.ClientSession() as session:
+        for path, body in ((COMPLETIONS, {"prompt": "x"}), (CHAT, {"messages": HELLO})):
+            got = await post(session, url, path, {**body, "max_tokens": 1,
+                                                  "stream_options": {"include_usage": True}})
+            assert got["status"] == 400
+            assert got["error"]["message"] == 'stream_options: only with "stream": true'
+            got = await post(session, url, path, {**body, "max_tokens": 1,
+                                                  "stream_options": None})
+            assert got["status"] == 200
+        assert eng.metrics.requests == 2
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    (COMPLETIONS, {"prompt": "x", "stop": ["a", 5]}, "stop"),
+    (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, "temperature"),
+    (COMPLETIONS, {"prompt": "x", "model": "gpt-4"}, "model"),
+    (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content")])
+async def test_an_error_names_the_field_in_param_as_openai_does(path: str, body: dict[str, Any],
+                                                                 param: str) -> None:
+    """OpenAI's errors carry the field at fault in ``param``; it was always null."""
+    async with engine() as eng, running_server(eng) as url, \
+            aiohttp.ClientSession() as session:
+        got = await post(session, url, path, body)
+    assert got["status"] in (400, 404) and got["error"]["param"] == param, got
