@@ -214,7 +214,15 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
     # ---------------------------------------------------------------- setup and teardown
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Adopt SGLang's host pool: its flat page is the unit stored; the store opens here."""
+        """Adopt SGLang's host pool: its flat page is the unit stored; the store opens here.
+
+        Raises:
+            ConfigError: a host pool is registered already (the first store was left open,
+                and batches under way read with one page format and wrote with another).
+        """
+        if self._backend is not None:
+            raise ConfigError("register_mem_pool_host: a host pool is registered already; "
+                              "one plug-in instance serves one pool")
         self.mem_pool_host = mem_pool_host
         page = mem_pool_host.get_dummy_flat_data_page()
         self._page_dtype = page.dtype  # NOTE: asked once: each call makes a page

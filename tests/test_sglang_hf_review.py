@@ -181,6 +181,21 @@ def test_a_store_that_hangs_is_skipped_after_failures_to_open_calls_then_probed(
             backend.close()
 
 
+def test_a_second_host_pool_is_refused_and_the_first_store_serves_on(tmp_path: Path) -> None:
+    """A second `register_mem_pool_host` replaced the store without closing the first (left
+    open for the life of the process) and changed the page format under batches under way."""
+    backend = make_backend(f"file://{tmp_path}")
+    backend.register_mem_pool_host(MHAHostPool(2))
+    keys = page_hashes(list(range(2 * PAGE)))
+    try:
+        assert backend.batch_set_v1(keys, indices(range(2))) == [True, True]
+        with pytest.raises(ConfigError, match=r"^register_mem_pool_host: a host pool is"):
+            backend.register_mem_pool_host(MHAHostPool(4))
+        assert backend.batch_exists(keys) == 2
+    finally:
+        backend.close()
+
+
 def test_the_breaker_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="failures_to_open"):
         make_backend("memory://", extra={"failures_to_open": 0})
