@@ -1,8 +1,8 @@
-"""Page allocator: a free stack of page ids plus a used bitmap.
+"""Page allocator: a free stack of page ids plus a per-page state (allocated or free).
 
 Only the event loop calls it (design rule 1), so it takes no lock. `alloc` and `free` cost
 O(k) in the number of pages moved, never O(capacity): double frees and foreign ids are caught
-through the bitmap, not by scanning the free list.
+through the page states, not by scanning the free list.
 """
 
 from __future__ import annotations
@@ -23,26 +23,31 @@ class PageAllocator:
 
     NOTE: the free list is a LIFO stack. Freed pages are pushed so that the next `alloc` of
     the same size returns them in the same order: runs that were contiguous stay contiguous,
-    which lets transfers coalesce them into one copy.
+    which lets transfers coalesce them into one copy. Its top lies first in memory, so a
+    push and a pop copy a run forwards (a reversed run was copied element by element).
     """
 
-    __slots__ = ("_free", "_mark", "_name", "_top", "_used")
+    __slots__ = ("_free", "_name", "_stamps", "_state", "_top")
 
     def __init__(self, capacity: int, *, name: str = "pool") -> None:
         check_int("capacity", capacity, low=0)
         self._name = name
-        # Stack with its top at the end; reversed so the first alloc returns 0, 1, 2, ...
-        self._free: PageIds = np.arange(capacity - 1, -1, -1, dtype=np.int64)
+        # The stack is the last `_top` ids, its top first: the first alloc returns 0, 1, 2, ...
+        self._free: PageIds = np.arange(capacity, dtype=np.int64)
         self._top = capacity
-        self._used = np.zeros(capacity, dtype=np.bool_)
-        self._mark: npt.NDArray[np.int32] | None = None  # scratch for `_repeats`, on demand
+        # Per page: 0 while allocated, else (free) not 0. A long `free` stamps its ids with
+        # their positions (from 1) and reads them back: a repeated id kept one stamp only.
+        # NOTE: one array for both: a used bitmap and a scratch array of stamps read two
+        # arrays for every long free, and wrote the bitmap once more
+        self._state = np.ones(capacity, dtype=np.int32)
+        self._stamps = np.arange(1, 1, dtype=np.int32)  # 1, 2, 3, ...: grown on demand
 
     def __repr__(self) -> str:
         return f"<PageAllocator {self._name}: {self.num_used} used, {self.num_free} free>"
 
     @property
     def capacity(self) -> int:
-        return len(self._used)
+        return len(self._state)
 
     @property
     def num_free(self) -> int:
@@ -54,12 +59,14 @@ class PageAllocator:
 
     def alloc(self, n: int) -> PageIds | None:
         """Take `n` free pages, or return None (and take nothing) if fewer are free."""
-        check_int("n", n, low=0, numpy_ok=True)
+        if type(n) is not int or n < 0:  # (the check's call costs more than the test)
+            check_int("n", n, low=0, numpy_ok=True)
         if n > self._top:
             return None
-        pages = self._free[self._top - n:self._top][::-1].copy()
+        start = len(self._free) - self._top
+        pages = self._free[start:start + n].copy()
         self._top -= n
-        self._used[pages] = True
+        self._state[pages] = 0
         return pages
 
     def free(self, pages: npt.ArrayLike) -> None:
@@ -77,23 +84,22 @@ class PageAllocator:
         ids = arr.astype(np.int64, copy=False).reshape(-1)
         if len(ids) <= _SCALAR_CHECK:
             self._check_few(ids.tolist())
+            self._state[ids] = 1
         else:
-            self.check_allocated(ids)
-            if self._repeats(ids):
-                raise PageError(f"{self._name}: page ids listed twice in one free")
-        self._used[ids] = False
-        self._free[self._top:self._top + len(ids)] = ids[::-1]
+            self._release(ids)
+        start = len(self._free) - self._top
+        self._free[start - len(ids):start] = ids
         self._top += len(ids)
 
     def _check_few(self, ids: list[int]) -> None:
         """`check_allocated` and the repeat check for a handful of ids, in plain Python:
         each numpy reduction costs about a microsecond however few ids it sees."""
-        used, cap = self._used, self.capacity
+        state, cap = self._state, self.capacity
         for page in ids:
             if not 0 <= page < cap:
                 raise PageError(f"{self._name}: page {page} is foreign to a pool of "
                                 f"{cap} pages")
-            if not used[page]:
+            if state[page]:
                 raise PageError(f"{self._name}: page {page} is not allocated (double free?)")
         if len(ids) > 1 and len(set(ids)) != len(ids):
             raise PageError(f"{self._name}: page ids listed twice in one free")
@@ -106,36 +112,44 @@ class PageAllocator:
         try:
             if np.minimum.reduce(ids) < 0:
                 raise IndexError
-            used = self._used[ids]
+            state = self._state[ids]
         except IndexError:
             bad = next(int(i) for i in ids if not 0 <= i < self.capacity)
             raise PageError(f"{self._name}: page {bad} is foreign to a pool of "
                             f"{self.capacity} pages") from None
-        if np.count_nonzero(used) != len(ids):
-            bad = int(ids[np.argmin(used)])
+        if np.count_nonzero(state):
+            bad = int(ids[np.flatnonzero(state)[0]])
             raise PageError(f"{self._name}: page {bad} is not allocated (double free?)")
 
-    def _repeats(self, ids: PageIds) -> bool:
-        """`has_repeats`, in O(k) vectorized steps for long lists: write each id's position
-        into a scratch array at the id; a repeated id keeps only its last position."""
-        if len(ids) <= _MARK_CHECK:
-            return has_repeats(ids)
-        if self._mark is None:
-            self._mark = np.zeros(self.capacity, dtype=np.int32)
-        pos = np.arange(len(ids), dtype=np.int32)
-        self._mark[ids] = pos
-        return bool((self._mark[ids] != pos).any())
+    def _release(self, ids: PageIds) -> None:
+        """Mark `ids` (more than a handful) free, once checked: allocated, none repeated."""
+        self.check_allocated(ids)
+        if len(ids) <= _STAMP_CHECK:
+            if has_repeats(ids):
+                raise PageError(f"{self._name}: page ids listed twice in one free")
+            self._state[ids] = 1
+            return
+        if len(self._stamps) < len(ids):  # kept: a new range each call cost more
+            size = max(len(ids), 2 * len(self._stamps))
+            self._stamps = np.arange(1, size + 1, dtype=np.int32)
+        stamps = self._stamps[:len(ids)]
+        self._state[ids] = stamps
+        # (count_nonzero, not .any(): the same pass without numpy's Python-level wrapper)
+        if np.count_nonzero(self._state[ids] != stamps):
+            self._state[ids] = 0  # all were allocated (checked): as they were
+            raise PageError(f"{self._name}: page ids listed twice in one free")
 
     def is_used(self, ids: PageIds) -> npt.NDArray[np.bool_]:
-        return self._used[ids]
+        used: npt.NDArray[np.bool_] = self._state[ids] == 0
+        return used
 
     def used_pages(self) -> PageIds:
         """All allocated page ids (O(capacity); for invariant checks only)."""
-        return np.flatnonzero(self._used).astype(np.int64)
+        return np.flatnonzero(self._state == 0).astype(np.int64)
 
     def free_pages(self) -> PageIds:
         """The free stack, top last (for invariant checks only)."""
-        return self._free[:self._top].copy()
+        return self._free[len(self._free) - self._top:][::-1].copy()
 
 
 def has_repeats(ids: PageIds) -> bool:
@@ -153,6 +167,6 @@ _SCALAR_CHECK = 8
 _SET_CHECK = 4096
 """Up to this many ids, `has_repeats` checks with a set (microseconds, GIL held)."""
 
-_MARK_CHECK = 64
-"""Above this many ids, `PageAllocator.free` checks repeats with its scratch array: 6 us
-for 256 ids and 12 us for 2,048, against 10 and 58 us with a set."""
+_STAMP_CHECK = 64
+"""Above this many ids, `PageAllocator.free` checks repeats with stamps in the page states:
+6 us for 256 ids and 12 us for 2,048, against 10 and 58 us with a set."""

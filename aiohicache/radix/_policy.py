@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._node import Node
-from ._results import common_tokens
+from ._results import common_tokens, compact
 
 __all__ = ("ARC", "LFU", "LRU", "NEVER", "Belady", "EvictionPolicy", "PolicyName",
            "make_policy")
@@ -77,7 +77,9 @@ class EvictionPolicy:
     # -- the heaps ---------------------------------------------------------------------------
 
     def push(self, node: Node) -> None:
-        heapq.heappush(self._heaps[self.cls(node)], (self.key(node), node.id, node))
+        # (one class: its heap, without asking `cls`)
+        heap = self._heaps[0] if self.num_classes == 1 else self._heaps[self.cls(node)]
+        heapq.heappush(heap, (self.key(node), node.id, node))
         if self._old is not None:
             self._migrate()
 
@@ -86,7 +88,8 @@ class EvictionPolicy:
         if self._old is not None:
             self._migrate()
         for c in self.order():
-            while (heap := self._smaller_top(c)) is not None:
+            # (not compacting: the class's heap, without asking `_smaller_top`)
+            while heap := (self._heaps[c] if self._old is None else self._smaller_top(c)):
                 key, _, node = heapq.heappop(heap)
                 if is_candidate(node) and self._current(node, c, key):
                     return node
@@ -101,7 +104,7 @@ class EvictionPolicy:
         return old if not new or old[0][:2] < new[0][:2] else new
 
     def _current(self, node: Node, c: int, key: tuple[int, ...]) -> bool:
-        return self.cls(node) == c and key == self.key(node)
+        return (self.num_classes == 1 or self.cls(node) == c) and key == self.key(node)
 
     def compact(self, keep: Callable[[Node], bool]) -> None:
         """Drop the stale entries (and those of nodes not `keep`), a few per push and pop.
@@ -261,7 +264,9 @@ class ARC(EvictionPolicy):
         old = self._ghosts.pop(where, None)
         if old is not None:
             self.ghost_pages[old.cls] -= old.num_pages
-        ghost = self._ghosts[where] = _Ghost(node.num_pages, self.cls(node), node.id, node.key)
+        # (compact: a trimmed victim's key is a view of its whole key before the trim)
+        ghost = self._ghosts[where] = _Ghost(node.num_pages, self.cls(node), node.id,
+                                             compact(node.key))
         self.ghost_pages[ghost.cls] += ghost.num_pages
         while self.ghost_pages[0] + self.ghost_pages[1] > self.GHOSTS * self.capacity:
             _, gone = self._ghosts.popitem(last=False)

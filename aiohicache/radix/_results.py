@@ -11,7 +11,8 @@ import numpy.typing as npt
 from ..memory import PageIds
 from ._node import Node
 
-__all__ = ("Eviction", "InsertResult", "Match", "Tokens", "as_token_array")
+__all__ = ("Eviction", "InsertResult", "Match", "Tokens", "as_token_array", "compact",
+           "held_bytes")
 
 Tokens = npt.NDArray[np.int64]
 """Token ids as a 1-D int64 array: compared in bulk without copies (slices are views)."""
@@ -96,3 +97,15 @@ def common_tokens(key: Tokens, tokens: Tokens, pos: int, end: int | None = None)
     # NOTE: one compare pass, then a count: a full match (the usual case) needs no search,
     # and a mismatch is found in the bools already made (argmin: the first False)
     return span if np.count_nonzero(same) == span else int(same.argmin())
+
+
+def compact(key: Tokens) -> Tokens:
+    """`key`, or a copy of it if it is a view keeping alive a buffer over twice its size."""
+    return key.copy() if held_bytes(key) > 2 * key.nbytes else key
+
+
+def held_bytes(key: Tokens) -> int:
+    """Bytes of the buffer `key` keeps alive (a foreign buffer: counted as unbounded)."""
+    if key.base is None:
+        return key.nbytes
+    return key.base.nbytes if isinstance(key.base, np.ndarray) else 1 << 62

@@ -151,25 +151,35 @@ class TreeState:
         del parent.children[node.key[:self.page_size].tobytes()]
         node.alive = False
         self._num_nodes -= 1
-        self._offer(parent)
+        # (only the host tier: a parent's device candidacy reads no `children`, and the
+        # `_set_device` / `_set_host` before each delete offered it to both)
+        self._offer(parent, device=False)
 
     def _device_candidate(self, node: Node) -> bool:
+        # (`_offer` tests the same, inline)
         return (node.alive and node.device_state is DeviceState.RESIDENT
                 and node.device_children == 0 and node.lock_ref == 0
                 and node.host_state is not HostState.WRITING)
 
     def _host_candidate(self, node: Node) -> bool:
+        # (`_offer` tests the same, inline)
         return (node.alive and node.host_state is HostState.RESIDENT and not node.on_device
                 and not node.children and node.host_ref == 0 and node.parent is not None)
 
-    def _offer(self, node: Node) -> None:
-        """Queue `node` with the policy of each tier it is now an eviction candidate of."""
+    def _offer(self, node: Node, *, device: bool = True) -> None:
+        """Queue `node` with the policy of each tier it is now an eviction candidate of
+        (only the host tier's unless `device`)."""
         if node.parent is None:
             return
-        if self._device_candidate(node):
+        # NOTE: `_device_candidate` and `_host_candidate` inline, the test most nodes fail
+        # first: ten offers a request, and the two calls cost more than the tests
+        state, host = node.device_state, node.host_state
+        if device and state is _RESIDENT and node.device_children == 0 \
+                and node.lock_ref == 0 and host is not _WRITING and node.alive:
             self.device_policy.push(node)
             self._pushes += 1
-        if self._host_candidate(node):
+        if host is _HOST_RESIDENT and state is _ABSENT and not node.children \
+                and node.host_ref == 0 and node.alive:
             self.host_policy.push(node)
             self._pushes += 1
         # Counting the queues' entries costs more than a push: look every 256 pushes.
@@ -218,6 +228,10 @@ class TreeState:
     def check(self) -> None:
         """Raise `InvariantError` if the tree's structure or tier states are inconsistent."""
         _check.check(self)
+
+
+_ABSENT, _RESIDENT = DeviceState.ABSENT, DeviceState.RESIDENT
+_HOST_RESIDENT, _WRITING = HostState.RESIDENT, HostState.WRITING
 
 
 def _num(pages: PageIds | None) -> int:

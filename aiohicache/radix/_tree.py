@@ -22,6 +22,7 @@ from ._results import (
     Tokens,
     as_token_array,
     common_tokens,
+    held_bytes,
     same_tokens,
 )
 from ._state import TreeState
@@ -247,23 +248,26 @@ class RadixTree(TreeState):
         """Cut `node` after `num_pages` pages; return the new upper part (node keeps the rest)."""
         return self._split(node, num_pages)
 
-    def _split(self, node: Node, num_pages: int) -> Node:
-        """Cut `node` after `num_pages` pages; return the new upper part (node keeps the rest)."""
+    def _split(self, node: Node, num_pages: int, *, dropped: bool = False) -> Node:
+        """Cut `node` after `num_pages` pages; return the new upper part (node keeps the rest).
+
+        `dropped`: node leaves the tree right after (an eviction's trimmed tail), so its key
+        and pages stay views of the old ones (nothing outlives it holding them but an
+        eviction policy's ghost, which keeps its key `compact`).
+        """
         ps, cut = self.page_size, num_pages * self.page_size
         parent = node.parent
         assert parent is not None and 0 < num_pages < node.num_pages
-        head, tail = _halves(node.key, cut)
+        head, tail = _halves(node.key, cut, dropped=dropped)
         upper = Node(id=next(self._ids), parent=parent, key=head,
                      device_state=node.device_state, host_state=node.host_state,
                      lock_ref=node.lock_ref, host_ref=node.host_ref, hit_count=node.hit_count,
                      last_access=node.last_access, load_op=node.load_op, write_op=node.write_op,
                      backup_hits=node.backup_hits)
         if node.device_pages is not None:
-            upper.device_pages, node.device_pages = (node.device_pages[:num_pages].copy(),
-                                                     node.device_pages[num_pages:].copy())
+            upper.device_pages, node.device_pages = _cut(node.device_pages, num_pages, dropped)
         if node.host_pages is not None:
-            upper.host_pages, node.host_pages = (node.host_pages[:num_pages].copy(),
-                                                 node.host_pages[num_pages:].copy())
+            upper.host_pages, node.host_pages = _cut(node.host_pages, num_pages, dropped)
         if node.hashes is not None:
             upper.hashes, node.hashes = node.hashes[:num_pages], node.hashes[num_pages:]
         if node.stored is not None:
@@ -372,7 +376,8 @@ class RadixTree(TreeState):
             staging = write_back is not None and self._stage_write_back(node, write_back)
             if not staging:
                 self._trim(node, min(num_pages - out.freed_pages - staged,
-                                     self.device_policy.tail_run(node)))
+                                     self.device_policy.tail_run(node)),
+                           dropped=not node.on_host)
             if self.device_eviction_order is not None:
                 self.device_eviction_order.append(node.id)
             if staging:
@@ -383,11 +388,16 @@ class RadixTree(TreeState):
         _free_all(self.device_alloc, frees)
         return out
 
-    def _trim(self, node: Node, need: int) -> None:
+    def _trim(self, node: Node, need: int, *, dropped: bool) -> None:
         """Evict page-granular: leave only the last `need` pages in `node` (its head splits
-        off as the parent, a candidate with the same recency and hits)."""
+        off as the parent, a candidate with the same recency and hits). `dropped`: node is
+        deleted once evicted (see `_split`).
+
+        NOTE: the tail's own copies of its key and pages were dropped a moment later (about
+        3 % of `bench tree`); a tail that stays (host-only) still gets them.
+        """
         if 0 < need < node.num_pages:
-            self._split(node, node.num_pages - need)
+            self._split(node, node.num_pages - need, dropped=dropped)
 
     def _stageable(self, node: Node) -> bool:
         # Whole nodes only: a trimmed tail's new parent is not on the host, so it could not
@@ -423,7 +433,8 @@ class RadixTree(TreeState):
             node = self.host_policy.pop(self._host_candidate)
             if node is None:
                 break
-            self._trim(node, min(num_pages - freed, self.host_policy.tail_run(node)))
+            self._trim(node, min(num_pages - freed, self.host_policy.tail_run(node)),
+                       dropped=True)
             assert node.host_pages is not None
             self.host_policy.on_evict(node)
             frees.append(node.host_pages)
@@ -447,9 +458,11 @@ def _free_all(alloc: PageAllocator, frees: list[PageIds]) -> None:
         alloc.free(frees[0] if len(frees) == 1 else np.concatenate(frees))
 
 
-def _halves(key: np.ndarray, cut: int) -> tuple[np.ndarray, np.ndarray]:
+def _halves(key: np.ndarray, cut: int, *,
+            dropped: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """`key` cut at `cut`: the shorter side copied, the longer a view of `key` while the
-    buffer it keeps alive is at most twice its size (else copied too).
+    buffer it keeps alive is at most twice its size (else copied too). `dropped`: the tail
+    is about to go, so it stays a view and the head is kept as a longer side would be.
 
     NOTE: eviction trims a few pages off long nodes again and again; copying both sides
     copied the whole key each time (up to 2.4 ms of loop per split on the conversation
@@ -457,16 +470,21 @@ def _halves(key: np.ndarray, cut: int) -> tuple[np.ndarray, np.ndarray]:
     pages keep its whole first buffer alive; copying once the buffer is twice the view
     bounds that at 2x, and the copies, halving each time, cost O(1) per token trimmed.
     """
+    if dropped:
+        head = key[:cut]
+        return (head.copy() if held_bytes(key) > 2 * head.nbytes else head), key[cut:]
     head_longer = cut * 2 >= len(key)
     longer = key[:cut] if head_longer else key[cut:]
-    if _held_bytes(key) > 2 * longer.nbytes:
+    if held_bytes(key) > 2 * longer.nbytes:
         longer = longer.copy()
     shorter = (key[cut:] if head_longer else key[:cut]).copy()
     return (longer, shorter) if head_longer else (shorter, longer)
 
 
-def _held_bytes(key: np.ndarray) -> int:
-    """Bytes of the buffer `key` keeps alive (a foreign buffer: counted as unbounded)."""
-    if key.base is None:
-        return key.nbytes
-    return key.base.nbytes if isinstance(key.base, np.ndarray) else 1 << 62
+def _cut(pages: PageIds, num_pages: int, dropped: bool) -> tuple[PageIds, PageIds]:
+    """`pages` cut after `num_pages`: copies; if `dropped`, the lower part a view, and the
+    upper one too while its buffer is at most twice its size (as `_halves` keeps a key)."""
+    upper, lower = pages[:num_pages], pages[num_pages:]
+    if not dropped:
+        return upper.copy(), lower.copy()
+    return (upper.copy() if held_bytes(pages) > 2 * upper.nbytes else upper), lower
