@@ -425,8 +425,12 @@ class HFAdapter:
             if slots is not None:
                 await hit.commit(ids, slots)
         except BaseException:
-            if slots is not None and hit.num_cached_tokens == cached:  # not committed
-                _UNCOMMITTED[hit] = slots
+            # NOTE: those past what it committed: cancelled after its commit (queueing the
+            # write-through), the partial page's slots were kept by none, and a retry leased
+            # the slots after them (a page's middle): its commit was refused
+            done = hit.num_cached_tokens - cached
+            if slots is not None and len(slots) > done:
+                _UNCOMMITTED[hit] = slots[done:]
             raise
         tail = len(ids) % self.cache.config.page_size
         return Prefill(logits, past, reuse, len(ids),
@@ -582,12 +586,14 @@ async def _new_slots(hit: FetchContext, count: int) -> torch.Tensor | None:
     NOTE: the context hands out each slot once: run again, a prefill got the slots after
     the first one's (a page's middle), and its commit was refused after the whole pass.
     """
-    held = _UNCOMMITTED.pop(hit, None)
-    if count <= 0:
-        return None
-    if held is None or len(held) != count:
-        return await hit.allocate(count)
+    held = _UNCOMMITTED.get(hit)
+    if count <= 0 or held is None or len(held) != count:
+        _UNCOMMITTED.pop(hit, None)
+        return await hit.allocate(count) if count > 0 else None
     await hit.layer_ready(0)  # ClosedError once the context has ended: its slots are freed
+    # NOTE: taken only now: taken before the await and cancelled there, they were lost to
+    # the retry after, which leased the slots after them (its commit refused)
+    del _UNCOMMITTED[hit]
     return held
 
 

@@ -303,19 +303,21 @@ class FileBackend(_FileUpkeep):
         """
         if self._closed:
             return
-        # NOTE: shielded as a whole: cancelled between two steps, the close skipped the rest
-        # (the threads ran on, the segment files stayed open)
-        with anyio.CancelScope(shield=True):
+        # NOTE: run to its end as a whole: cancelled between two steps, the close skipped the
+        # rest (the threads ran on, the segment files stayed open). Not an anyio shield: it
+        # does not stop ``Task.cancel`` (a cancelled server task), which still skipped them.
+        await finish_then_cancel(self._close())
+
+    async def _close(self) -> None:
+        try:
+            await self._seal()
+        finally:
+            self._closed = True
             try:
-                await self._seal()
+                if self._executor is not None:
+                    await anyio.to_thread.run_sync(self._executor.shutdown)
             finally:
-                self._closed = True
-                try:
-                    if self._executor is not None:
-                        await anyio.to_thread.run_sync(self._executor.shutdown)
-                finally:
-                    self._files.close()
-        await anyio.lowlevel.checkpoint_if_cancelled()
+                self._files.close()
 
     async def _seal(self) -> None:
         """Journal the touches and seal the lanes (the store may be gone: then nothing)."""
