@@ -402,8 +402,9 @@ class HFAdapter:
         (for its logits) over the rest.
 
         Raises:
-            ConfigError: `tokens` are not the fetched tokens, or the model computes KV of
-                another shape or dtype than the cache's spec (nothing is committed).
+            ConfigError: `tokens` are not the fetched tokens, a prefill completed in `hit`
+                already, or the model computes KV of another shape or dtype than the
+                cache's spec (nothing is committed).
             TransferError: loading the prefix failed.
             CapacityError: no device slots for the new tokens.
 
@@ -413,6 +414,12 @@ class HFAdapter:
         ids = [int(t) for t in tokens]
         if len(ids) != len(hit.tokens) or ids != hit.tokens.tolist():
             raise ConfigError("tokens: must be the tokens the context fetched")
+        if hit in _PREFILLED:
+            # NOTE: a second one leased the slots after the first one's partial page (a
+            # page's middle) and was refused after its whole pass, as "slots: must cover
+            # whole pages in order"
+            raise ConfigError("hit: prefilled already (one prefill per context: decode on "
+                              "its Prefill, or fetch again)")
         cached = hit.num_cached_tokens
         reuse = min(cached, len(ids) - 1)
         slots = await _new_slots(hit, len(ids) - cached)
@@ -432,6 +439,7 @@ class HFAdapter:
             if slots is not None and len(slots) > done:
                 _UNCOMMITTED[hit] = slots[done:]
             raise
+        _PREFILLED.add(hit)
         tail = len(ids) % self.cache.config.page_size
         return Prefill(logits, past, reuse, len(ids),
                        slots[len(slots) - tail:] if slots is not None and tail else
@@ -596,6 +604,9 @@ async def _new_slots(hit: FetchContext, count: int) -> torch.Tensor | None:
     del _UNCOMMITTED[hit]
     return held
 
+
+_PREFILLED: weakref.WeakSet[FetchContext] = weakref.WeakSet()
+"""Contexts a prefill completed in."""
 
 _UNCOMMITTED: weakref.WeakKeyDictionary[FetchContext, torch.Tensor] = \
     weakref.WeakKeyDictionary()

@@ -307,3 +307,22 @@ async def test_commit_decoded_after_its_context_ended_writes_nothing(
 
 def _raise_oserror(*_: object) -> None:
     raise OSError("the decoded KV's copy failed")
+
+
+async def test_a_second_prefill_in_one_context_is_refused_clearly(
+        llama: PreTrainedModel) -> None:
+    """A second `prefill` in a context whose first one completed leased the slots after the
+    partial page's (a page's middle) and was refused after its whole pass, as "slots: must
+    cover whole pages in order". One prefill per context: a `ConfigError` saying so, before
+    any pass, and the first prefill's output still commits."""
+    prompt = tokens_of(10, seed=13)
+    async with HiCache(config_for(llama)) as cache:
+        adapter = HFAdapter(llama, cache)
+        async with cache.fetch(prompt) as hit:
+            out = await adapter.prefill(hit, prompt)
+            with pytest.raises(ConfigError, match=r"^hit: prefilled already"):
+                await adapter.prefill(hit, prompt)
+            fed, _ = await decoded(adapter, out, 3)
+            await adapter.commit_decoded(hit, out, [*prompt, *fed])
+        assert await assert_cached_kv(cache, llama, [*prompt, *fed], [10, 1, 1, 1]) == 12
+        cache.check_invariants()
