@@ -403,8 +403,8 @@ class HFAdapter:
 
         Raises:
             ConfigError: `tokens` are not the fetched tokens, a prefill completed in `hit`
-                already, or the model computes KV of another shape or dtype than the
-                cache's spec (nothing is committed).
+                already or is under way there, or the model computes KV of another shape
+                or dtype than the cache's spec (nothing is committed).
             TransferError: loading the prefix failed.
             CapacityError: no device slots for the new tokens.
 
@@ -418,8 +418,18 @@ class HFAdapter:
             # NOTE: a second one leased the slots after the first one's partial page (a
             # page's middle) and was refused after its whole pass, as "slots: must cover
             # whole pages in order"
-            raise ConfigError("hit: prefilled already (one prefill per context: decode on "
-                              "its Prefill, or fetch again)")
+            raise ConfigError("hit: prefilled already, or a prefill is under way in it (one "
+                              "prefill per context: decode on its Prefill, or fetch again)")
+        # NOTE: marked before any await: a second one at once passed the test above, and
+        # was refused after its whole pass as "slots: need one slot per token ..."
+        _PREFILLED.add(hit)
+        try:
+            return await self._prefill(hit, ids, all_logits)
+        except BaseException:
+            _PREFILLED.discard(hit)  # none completed: a retry may run
+            raise
+
+    async def _prefill(self, hit: FetchContext, ids: list[int], all_logits: bool) -> Prefill:
         cached = hit.num_cached_tokens
         reuse = min(cached, len(ids) - 1)
         slots = await _new_slots(hit, len(ids) - cached)
@@ -439,7 +449,6 @@ class HFAdapter:
             if slots is not None and len(slots) > done:
                 _UNCOMMITTED[hit] = slots[done:]
             raise
-        _PREFILLED.add(hit)
         tail = len(ids) % self.cache.config.page_size
         return Prefill(logits, past, reuse, len(ids),
                        slots[len(slots) - tail:] if slots is not None and tail else
@@ -606,7 +615,7 @@ async def _new_slots(hit: FetchContext, count: int) -> torch.Tensor | None:
 
 
 _PREFILLED: weakref.WeakSet[FetchContext] = weakref.WeakSet()
-"""Contexts a prefill completed in."""
+"""Contexts a prefill completed or runs in."""
 
 _UNCOMMITTED: weakref.WeakKeyDictionary[FetchContext, torch.Tensor] = \
     weakref.WeakKeyDictionary()

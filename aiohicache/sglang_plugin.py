@@ -417,9 +417,10 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         try:
             return [hashlib.blake2b(prefix + k.encode(), digest_size=32).hexdigest()
                     for k in keys]
-        except AttributeError:
-            i, bad = next((i, k) for i, k in enumerate(keys) if not isinstance(k, str))
-            raise ConfigError(f"keys[{i}]: must be a str, got {bad!r}") from None
+        except (AttributeError, UnicodeEncodeError):  # not a str; a lone surrogate
+            i, bad = next((i, k) for i, k in enumerate(keys) if not _is_text(k))
+            raise ConfigError(f"keys[{i}]: must be a str of Unicode text, got {bad!r:.80}") \
+                from None
 
     @staticmethod
     def _staging(backend: StorageBackend, num_pages: int) -> torch.Tensor:
@@ -511,6 +512,17 @@ def _check_targets(targets: Sequence[Any], page_bytes: int, dtype: torch.dtype) 
     if (pair := _first_overlap(targets)) is not None:
         raise ConfigError(f"target_locations: {pair[0]} and {pair[1]} overlap (each key "
                           f"needs a target of its own)")
+
+
+def _is_text(key: object) -> bool:
+    """`key` is a str that encodes as UTF-8 (no lone surrogate)."""
+    if not isinstance(key, str):
+        return False
+    try:
+        key.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_indices(host_indices: torch.Tensor, num_pages: int, page_size: int) -> None:

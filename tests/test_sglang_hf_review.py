@@ -84,17 +84,19 @@ def test_host_indices_too_short_for_the_keys_are_refused_before_any_page_moves(
 
 
 @pytest.mark.parametrize("call", ["batch_exists", "batch_get_v1", "batch_set_v1", "batch_get"])
+@pytest.mark.parametrize("key", [bytes.fromhex("ab" * 32), "ab\ud800"])
 def test_a_key_that_is_not_a_string_is_a_config_error_in_every_call(
-        small: AiohicacheStorage, call: str) -> None:  # noqa: F811
+        small: AiohicacheStorage, call: str, key: object) -> None:  # noqa: F811
     """A bytes key was a miss with a logged traceback in `batch_exists` and the reads (for
     ever: nothing said why) and an AttributeError in `batch_set_v1`, after the pages were
-    stored. Every call now refuses it, naming it, and stores nothing."""
-    backend, key = small, bytes.fromhex("ab" * 32)
+    stored; a str with a lone surrogate, a UnicodeEncodeError. Every call now refuses it,
+    naming it, and stores nothing."""
+    backend = small
     args: dict[str, tuple[Any, ...]] = {
         "batch_exists": ([key],), "batch_get": ([key],),
         "batch_get_v1": ([key], indices(range(1))),
         "batch_set_v1": (["cd" * 32, key], indices(range(2)))}
-    with pytest.raises(ConfigError, match=r"^keys\[\d\]: must be a str, got b'"):
+    with pytest.raises(ConfigError, match=r"^keys\[\d\]: must be a str of Unicode text, got "):
         getattr(backend, call)(*args[call])
     assert backend.batch_exists(["cd" * 32]) == 0
 

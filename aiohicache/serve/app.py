@@ -424,7 +424,7 @@ async def _complete_admitted(request: web.Request, kind: _Kind) -> web.StreamRes
             # a usage chunk thought it would get one
             raise _BadRequest("stream_options: only with \"stream\": true")
         usage_chunk = _usage_chunk(body)
-    except _TooSlow as exc:
+    except (_TooSlow, _TooLarge) as exc:  # the rest of the body is not worth reading
         return await _answer_and_close(request, _error(exc.status, str(exc)))
     except _BadRequest as exc:
         return _error(exc.status, str(exc), code=exc.code)
