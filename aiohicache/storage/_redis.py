@@ -245,6 +245,9 @@ class RedisBackend:
         if self._calls:
             self._idle = anyio.Event()
             await self._idle.wait()
+        await self._close_client()
+
+    async def _close_client(self) -> None:
         await self._client.aclose()
 
     def __del__(self, _warn: object = warnings.warn) -> None:

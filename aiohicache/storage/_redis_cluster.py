@@ -105,6 +105,14 @@ class RedisClusterBackend(RedisBackend):
         """Nodes whose last pipeline failed or was skipped (none answered since)."""
         return cluster_client(url, self.url, **settings)  # type: ignore[arg-type]
 
+    async def _close_client(self) -> None:
+        client = cast(RedisCluster, self._client)
+        # NOTE: redis-py's aclose closes nothing while its client is to read the slot map
+        # (`_initialize`: an entry cancelled or failed before the commands were read, or
+        # one of its own commands failed since): each connection it had opened was left
+        client._initialize = False
+        await client.aclose()
+
     _stale = False
     """A node failed since the slot map was last read (it may be stale: a replica may have
     taken over)."""
