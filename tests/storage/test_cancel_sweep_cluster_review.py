@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Coroutine
 from typing import Any, Literal
 
 import anyio
@@ -25,11 +24,17 @@ import pytest
 from redis.asyncio import Redis
 
 from aiohicache._redis_server import LocalCluster
-from aiohicache.storage import StorageBackend
 from aiohicache.storage.redis import RedisClusterBackend
 from tests.test_cancel_sweep_review import Outcome, run_cancelled_at
+from tests.test_cancel_sweep_review2 import (
+    NEW,
+    OLD,
+    UNTOUCHED,
+    assert_pages_whole_or_missed,
+    swept_call,
+)
 
-from .conftest import FMT, SENTINEL, make_keys, make_page, page_views, read_pages
+from .conftest import FMT, SENTINEL, make_page, page_views, read_pages
 from .redis_server import running_cluster, shared_cluster
 
 How = Literal["task", "scope", "timeout"]
@@ -37,11 +42,6 @@ LIMIT = 2
 """`max_connections` per node here: few, so a slot not given back shows."""
 POINTS = 12
 """Await points swept per call at most (spread over the whole call)."""
-OLD = make_keys(8, seed=41)
-"""Stored (version 0) before the swept call, which touches the first four only."""
-NEW = make_keys(6, seed=42)
-"""Absent before the swept call; `set_from` writes them (version 1)."""
-TOUCHED = OLD[:4]
 
 
 def spread(count: int, *, first: int = 1) -> list[int]:
@@ -57,37 +57,6 @@ def backend_of(url: str, prefix: str, **options: Any) -> RedisClusterBackend:
     """In batches of two pages (so each call suspends often), `LIMIT` connections a node."""
     return RedisClusterBackend(url, FMT, key_prefix=prefix, max_batch=2, inline_bytes=0,
                                max_connections=LIMIT, **options)
-
-
-def swept_call(op: str, backend: RedisClusterBackend, buffers: list[bytearray],
-               ) -> Coroutine[Any, Any, Any]:
-    if op == "set_from":
-        keys = [*TOUCHED, *NEW]
-        return backend.set_from(keys, [memoryview(make_page(k, version=1)) for k in keys])
-    if op == "get_into":
-        return backend.get_into([*OLD, *NEW], [memoryview(b) for b in buffers])
-    if op == "exists":
-        return backend.exists([*OLD, *NEW])
-    if op == "delete":
-        return backend.delete(TOUCHED)
-    return backend.aclose()
-
-
-async def assert_whole_or_missed(backend: StorageBackend, op: str, where: str) -> None:
-    """Every page reads as a version written under its key, or misses where the swept
-    call may have removed (or not yet written) it."""
-    got = await read_pages(backend, [*OLD, *NEW])
-    for key, page in zip([*OLD, *NEW], got, strict=True):
-        versions = {0} if key in OLD else set()
-        if op == "set_from" and key in [*TOUCHED, *NEW]:
-            versions.add(1)
-        may_miss = (op == "delete" and key in TOUCHED) or key in NEW
-        if page is None:
-            assert may_miss, f"{where}: {key[:8]} lost"
-        else:
-            assert page in {make_page(key, version=v) for v in versions}, \
-                f"{where}: {key[:8]} reads a page never written under it"
-    assert backend.stats().corrupt == 0, f"{where}: torn or misplaced objects"
 
 
 async def node_clients(cluster: LocalCluster) -> dict[int, int]:
@@ -113,8 +82,8 @@ async def assert_serves_at_full_width(backend: RedisClusterBackend, where: str) 
         for _ in range(2):
             async with anyio.create_task_group() as tg:
                 for _ in range(LIMIT):
-                    tg.start_soon(read_pages, backend, OLD[4:])
-    assert await read_pages(backend, OLD[4:]) == [make_page(k) for k in OLD[4:]], where
+                    tg.start_soon(read_pages, backend, UNTOUCHED)
+    assert await read_pages(backend, UNTOUCHED) == [make_page(k) for k in UNTOUCHED], where
 
 
 def cancelled_or_done(outcome: Outcome, where: str) -> None:
@@ -148,10 +117,10 @@ async def test_a_call_cancelled_anywhere_leaves_pages_whole_and_nothing_held(
             assert [bytes(b) for b in buffers] == seen, f"{where}: written after the call"
             assert_slots_whole(backend, where)
             if op != "aclose":
-                await assert_whole_or_missed(backend, op, where)
+                await assert_pages_whole_or_missed(backend, op, where)
                 await assert_serves_at_full_width(backend, where)
         async with backend_of(cluster.url(), prefix) as second:
-            await assert_whole_or_missed(second, op, where)
+            await assert_pages_whole_or_missed(second, op, where)
             await second.delete([*OLD, *NEW])
         after = await node_clients(cluster)
         grown = {port: after[port] - n for port, n in before.items() if after[port] > n}
@@ -236,8 +205,8 @@ async def test_a_call_cancelled_anywhere_with_a_node_hung_leaves_no_circuit_stuc
             await asyncio.sleep(COOLDOWN + 0.1)
             await read_pages(backend, OLD)  # the probe
             assert not backend._circuits.failing(), "the node answers, its circuit open"
-            await assert_whole_or_missed(backend, op, f"{op}, after")
-            assert await read_pages(backend, OLD[4:]) == [make_page(k) for k in OLD[4:]]
+            await assert_pages_whole_or_missed(backend, op, f"{op}, after")
+            assert await read_pages(backend, UNTOUCHED) == [make_page(k) for k in UNTOUCHED]
             await assert_serves_at_full_width(backend, f"{op}, after")
         after = await node_clients(cluster)
         grown = {port: after[port] - n for port, n in before.items() if after[port] > n}
