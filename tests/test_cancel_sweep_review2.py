@@ -43,10 +43,11 @@ from aiohicache import CpuTransferEngine, HiCache, TransferHandle
 from aiohicache.hf import HFAdapter, tiny_llama
 from aiohicache.memory import DevicePool, HostPool, PageIds
 from aiohicache.serve import ByteTokenizer, Engine, EngineConfig, SamplingParams, Usage
-from aiohicache.storage import FileBackend, MemoryBackend, StorageBackend
+from aiohicache.storage import FileBackend, MemoryBackend
 from aiohicache.storage.redis import RedisBackend
-from tests.storage.conftest import FMT, SENTINEL, make_keys, make_page, page_views, read_pages
+from tests.storage.conftest import FMT, SENTINEL, page_views
 from tests.storage.redis_server import shared_server
+from tests.storage.sweep import NEW, OLD, assert_pages_whole_or_missed, swept_call
 from tests.test_cancel_sweep_review import MAX_TURNS, How, Outcome, run_cancelled_at, threaded
 from tests.test_hf import (  # noqa: F401  (an autouse fixture)
     SMALL,
@@ -392,14 +393,6 @@ async def test_generate_closed_after_each_token_leaves_the_engine_clean(
 
 # ------------------------------------------------------------------------------ the backends
 
-OLD = make_keys(6, seed=31)
-"""Stored (version 0) before the swept call; it overwrites, deletes or reads the first
-three, never touches the last three."""
-NEW = make_keys(5, seed=32)
-"""Absent before the swept call; `set_from` writes them (version 1)."""
-TOUCHED, UNTOUCHED = OLD[:3], OLD[3:]
-
-
 def backend_of(kind: str, where: str) -> MemoryBackend | FileBackend | RedisBackend:
     """A backend of `kind` over the store named `where` (a directory, a key prefix), in
     small batches (so its calls suspend often)."""
@@ -409,40 +402,6 @@ def backend_of(kind: str, where: str) -> MemoryBackend | FileBackend | RedisBack
         return FileBackend(where, FMT, max_concurrency=2, refresh_interval=0)
     return RedisBackend(shared_server().url(), FMT, key_prefix=where, max_batch=2,
                         inline_bytes=0)
-
-
-def new_pages(keys: list[str]) -> list[memoryview]:
-    return [memoryview(make_page(key, version=1)) for key in keys]
-
-
-def swept_call(op: str, backend: StorageBackend, buffers: list[bytearray],
-               ) -> Coroutine[Any, Any, Any]:
-    if op == "set_from":
-        return backend.set_from([*TOUCHED, *NEW], new_pages([*TOUCHED, *NEW]))
-    if op == "get_into":
-        return backend.get_into([*OLD, *NEW], [memoryview(b) for b in buffers])
-    if op == "exists":
-        return backend.exists([*OLD, *NEW])
-    if op == "delete":
-        return backend.delete(TOUCHED)
-    return backend.aclose()
-
-
-async def assert_pages_whole_or_missed(backend: StorageBackend, op: str, where: str) -> None:
-    """Every page reads back as one of the versions written under its key, or misses
-    (only where the swept call may have removed it): never torn, never another key's."""
-    got = dict(zip([*OLD, *NEW], await read_pages(backend, [*OLD, *NEW]), strict=True))
-    for key, page in got.items():
-        versions = {0} if key in OLD else set()
-        if op == "set_from" and key in [*TOUCHED, *NEW]:
-            versions.add(1)
-        may_miss = (op == "delete" and key in TOUCHED) or (op == "set_from" and key in NEW)
-        if page is None:
-            assert may_miss or not versions, f"{where}: {key[:8]} lost"
-        else:
-            assert page in {make_page(key, version=v) for v in versions}, \
-                f"{where}: {key[:8]} reads a page never written under it"
-    assert backend.stats().corrupt == 0, f"{where}: torn or misplaced objects"
 
 
 def open_fds() -> set[str]:

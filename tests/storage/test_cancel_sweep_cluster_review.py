@@ -26,16 +26,10 @@ from redis.asyncio import Redis
 from aiohicache._redis_server import LocalCluster
 from aiohicache.storage.redis import RedisClusterBackend
 from tests.test_cancel_sweep_review import Outcome, run_cancelled_at
-from tests.test_cancel_sweep_review2 import (
-    NEW,
-    OLD,
-    UNTOUCHED,
-    assert_pages_whole_or_missed,
-    swept_call,
-)
 
 from .conftest import FMT, SENTINEL, make_page, page_views, read_pages
 from .redis_server import running_cluster, shared_cluster
+from .sweep import NEW, OLD, UNTOUCHED, assert_pages_whole_or_missed, swept_call
 
 How = Literal["task", "scope", "timeout"]
 LIMIT = 2
