@@ -103,6 +103,8 @@ class RedisClusterBackend(RedisBackend):
         self._node_slots: dict[str, anyio.Semaphore] = {}
         self._failed_nodes: set[str] = set()
         """Nodes whose last pipeline failed or was skipped (none answered since)."""
+        self._readying = anyio.Lock()
+        """One `_ready` at a time (redis-py's `initialize` takes a lock as well)."""
         return cluster_client(url, self.url, **settings)  # type: ignore[arg-type]
 
     async def _close_client(self) -> None:
@@ -295,6 +297,13 @@ class RedisClusterBackend(RedisBackend):
         """
         if not client._initialize:
             return
+        async with self._readying:
+            # NOTE: one call reads, the others wait for it: a burst of first calls each
+            # read the slot map and COMMAND's long reply, a connection slot each
+            if client._initialize:
+                await self._read_map_and_commands(client)
+
+    async def _read_map_and_commands(self, client: RedisCluster) -> None:
         with self._answering_seeds(client, at_least_one=True):
             await client.nodes_manager.initialize()
         failing = self._circuits.failing()

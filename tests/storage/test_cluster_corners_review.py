@@ -23,6 +23,7 @@ from aiohicache.storage.redis import RedisClusterBackend
 from .conftest import FMT, make_keys, make_page
 from .conftest import page_views as pages
 from .conftest import read_pages as read
+from .redis_server import shared_cluster
 from .test_cluster import _migrate, _settle, slot_of
 from .test_cluster_pressure_review import own_cluster
 
@@ -209,3 +210,28 @@ async def test_re_reading_the_slot_map_keeps_the_healthy_nodes_connections(
             reads = len(map_reads) - first
             assert reads >= 4  # the map was read again all along
             assert max(opened) <= 4, (opened, reads)  # about 3 a read before
+
+
+async def test_a_burst_of_first_calls_reads_the_commands_once() -> None:
+    """A new backend's first calls, eight at once, each read the slot map and ``COMMAND``'s
+    long reply (a connection slot each, on the first primary the burst reached); one reads
+    them now, the others wait for it, and every call is answered."""
+    cluster = shared_cluster()
+    keys = make_keys(8, seed=77)
+
+    def command_calls() -> int:
+        total = 0
+        for node in cluster.nodes:
+            with redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=5) as raw:
+                stats = raw.info("commandstats")
+                total += stats.get("cmdstat_command", {}).get("calls", 0)
+        return total
+
+    before = command_calls()
+    backend = RedisClusterBackend(cluster.url(), FMT, key_prefix="burst")
+    try:
+        got = await asyncio.gather(*(backend.exists(keys) for _ in range(8)))
+    finally:
+        await backend.aclose()
+    assert got == [0] * 8
+    assert command_calls() - before == 1
