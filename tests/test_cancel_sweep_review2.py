@@ -45,9 +45,15 @@ from aiohicache.memory import DevicePool, HostPool, PageIds
 from aiohicache.serve import ByteTokenizer, Engine, EngineConfig, SamplingParams, Usage
 from aiohicache.storage import FileBackend, MemoryBackend
 from aiohicache.storage.redis import RedisBackend
-from tests.storage.conftest import FMT, SENTINEL, page_views
+from tests.storage.conftest import FMT
 from tests.storage.redis_server import shared_server
-from tests.storage.sweep import NEW, OLD, assert_pages_whole_or_missed, swept_call
+from tests.storage.sweep import (
+    NEW,
+    OLD,
+    assert_pages_whole_or_missed,
+    cancel_and_check,
+    cancelled_or_done,
+)
 from tests.test_cancel_sweep_review import MAX_TURNS, How, Outcome, run_cancelled_at, threaded
 from tests.test_hf import (  # noqa: F401  (an autouse fixture)
     SMALL,
@@ -64,11 +70,6 @@ SETTLE = 5.0
 @pytest.fixture(scope="module")
 def llama() -> PreTrainedModel:
     return tiny_llama(seed=1, **SMALL)
-
-
-def cancelled_or_done(outcome: Outcome, where: str) -> None:
-    assert outcome.result in ("cancelled", "completed"), \
-        f"{where}: {outcome.result}: {outcome.error!r}"
 
 
 async def counted(make: Callable[[int | None], Coroutine[Any, Any, Outcome]]) -> list[int]:
@@ -438,17 +439,9 @@ async def test_backend_call_cancelled_anywhere_leaves_pages_whole_and_nothing_op
             f"sweep:{os.urandom(6).hex()}:"
         clients = await redis_clients() if kind == "redis" else 0
         fds, threads = open_fds(), set(io_threads())
-        buffers = [bytearray([SENTINEL]) * FMT.payload_bytes for _ in [*OLD, *NEW]]
         backend = backend_of(kind, name)
         async with backend:
-            assert await backend.set_from(OLD, page_views(OLD)) == [True] * len(OLD)
-            outcome = await run_cancelled_at(swept_call(op, backend, buffers), at, how)
-            cancelled_or_done(outcome, where)
-            seen = [bytes(b) for b in buffers]
-            await asyncio.sleep(0.05)  # a copy still running would land now
-            assert [bytes(b) for b in buffers] == seen, f"{where}: written after the call"
-            if op != "aclose":
-                await assert_pages_whole_or_missed(backend, op, where)
+            outcome = await cancel_and_check(backend, op, at, how, where, settle=0.05)
         if kind != "memory":
             async with backend_of(kind, name) as second:
                 await assert_pages_whole_or_missed(second, op, where)

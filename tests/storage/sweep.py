@@ -4,12 +4,14 @@ tests/storage/test_cancel_sweep_cluster_review.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
 from aiohicache.storage import StorageBackend
+from tests.test_cancel_sweep_review import How, Outcome, run_cancelled_at
 
-from .conftest import make_keys, make_page, read_pages
+from .conftest import FMT, SENTINEL, make_keys, make_page, page_views, read_pages
 
 OLD = make_keys(6, seed=31)
 """Stored (version 0) before the swept call; it overwrites, deletes or reads the first
@@ -51,3 +53,25 @@ async def assert_pages_whole_or_missed(backend: StorageBackend, op: str, where: 
             assert page in {make_page(key, version=v) for v in versions}, \
                 f"{where}: {key[:8]} reads a page never written under it"
     assert backend.stats().corrupt == 0, f"{where}: torn or misplaced objects"
+
+
+def cancelled_or_done(outcome: Outcome, where: str) -> None:
+    assert outcome.result in ("cancelled", "completed"), \
+        f"{where}: {outcome.result}: {outcome.error!r}"
+
+
+async def cancel_and_check(backend: StorageBackend, op: str, at: int | None, how: How,
+                           where: str, *, settle: float) -> Outcome:
+    """Store `OLD`, run `op` on `backend` cancelled at `at` (see `run_cancelled_at`), then
+    check that it was cancelled or done, wrote no buffer in the `settle` seconds after, and
+    (unless it closed the backend) left every page whole or missed."""
+    buffers = [bytearray([SENTINEL]) * FMT.payload_bytes for _ in [*OLD, *NEW]]
+    assert await backend.set_from(OLD, page_views(OLD)) == [True] * len(OLD)
+    outcome = await run_cancelled_at(swept_call(op, backend, buffers), at, how)
+    cancelled_or_done(outcome, where)
+    seen = [bytes(b) for b in buffers]
+    await asyncio.sleep(settle)  # a copy still running would land now
+    assert [bytes(b) for b in buffers] == seen, f"{where}: written after the call"
+    if op != "aclose":
+        await assert_pages_whole_or_missed(backend, op, where)
+    return outcome

@@ -29,7 +29,15 @@ from tests.test_cancel_sweep_review import Outcome, run_cancelled_at
 
 from .conftest import FMT, SENTINEL, make_page, page_views, read_pages
 from .redis_server import running_cluster, shared_cluster
-from .sweep import NEW, OLD, UNTOUCHED, assert_pages_whole_or_missed, swept_call
+from .sweep import (
+    NEW,
+    OLD,
+    UNTOUCHED,
+    assert_pages_whole_or_missed,
+    cancel_and_check,
+    cancelled_or_done,
+    swept_call,
+)
 
 How = Literal["task", "scope", "timeout"]
 LIMIT = 2
@@ -80,11 +88,6 @@ async def assert_serves_at_full_width(backend: RedisClusterBackend, where: str) 
     assert await read_pages(backend, UNTOUCHED) == [make_page(k) for k in UNTOUCHED], where
 
 
-def cancelled_or_done(outcome: Outcome, where: str) -> None:
-    assert outcome.result in ("cancelled", "completed"), \
-        f"{where}: {outcome.result}: {outcome.error!r}"
-
-
 # ------------------------------------------------------------------------------ healthy
 
 @pytest.mark.parametrize("how", ["task", "scope", "timeout"])
@@ -101,17 +104,10 @@ async def test_a_call_cancelled_anywhere_leaves_pages_whole_and_nothing_held(
         where = f"{op}, {how} cancel at {at}"
         prefix = f"csweep:{os.urandom(6).hex()}:"
         before = await node_clients(cluster)
-        buffers = [bytearray([SENTINEL]) * FMT.payload_bytes for _ in [*OLD, *NEW]]
         async with backend_of(cluster.url(), prefix) as backend:
-            assert await backend.set_from(OLD, page_views(OLD)) == [True] * len(OLD)
-            outcome = await run_cancelled_at(swept_call(op, backend, buffers), at, how)
-            cancelled_or_done(outcome, where)
-            seen = [bytes(b) for b in buffers]
-            await asyncio.sleep(0.02)  # a copy still running would land now
-            assert [bytes(b) for b in buffers] == seen, f"{where}: written after the call"
+            outcome = await cancel_and_check(backend, op, at, how, where, settle=0.02)
             assert_slots_whole(backend, where)
             if op != "aclose":
-                await assert_pages_whole_or_missed(backend, op, where)
                 await assert_serves_at_full_width(backend, where)
         async with backend_of(cluster.url(), prefix) as second:
             await assert_pages_whole_or_missed(second, op, where)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,24 +25,13 @@ from .conftest import page_views as pages
 from .conftest import read_pages as read
 from .redis_server import shared_cluster
 from .test_cluster import _migrate, _settle, slot_of
+from .test_cluster_node_breaker import served_by, timed
 from .test_cluster_pressure_review import own_cluster
 
 TIMEOUT = 1.5
 """The backends' `socket_timeout` here (the default is 5 s)."""
 PROMPT = TIMEOUT / 3
 """What "at once" means: well under one timeout."""
-
-
-async def timed(call: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.monotonic()
-    result = await call()
-    return result, time.monotonic() - start
-
-
-def served_by(backend: RedisClusterBackend, keys: list[str], port: int) -> list[bool]:
-    """Whether each key's slot is the node's on `port`, as `backend`'s slot map says."""
-    client: Any = backend._client
-    return [client.get_node_from_key(backend.key_prefix + key).port == port for key in keys]
 
 
 # ------------------------------------------------------------------------------ the ports

@@ -56,11 +56,10 @@ async def timed(call: Callable[[], Any]) -> tuple[Any, float]:
     return result, time.monotonic() - start
 
 
-def on_node(backend: RedisClusterBackend, keys: list[str], server: RedisServer) -> list[bool]:
-    """Whether each key's slot is `server`'s."""
+def served_by(backend: RedisClusterBackend, keys: list[str], port: int) -> list[bool]:
+    """Whether each key's slot is the node's on `port`, as `backend`'s slot map says."""
     client: Any = backend._client
-    return [client.get_node_from_key(backend.key_prefix + key).port == server.port
-            for key in keys]
+    return [client.get_node_from_key(backend.key_prefix + key).port == port for key in keys]
 
 
 async def test_a_hung_node_is_skipped_after_its_first_timeout_then_served_again(
@@ -79,7 +78,7 @@ async def test_a_hung_node_is_skipped_after_its_first_timeout_then_served_again(
         async with RedisClusterBackend(cluster.url(), FMT, socket_timeout=TIMEOUT,
                                        node_cooldown=2.5) as backend:
             assert await backend.set_from(keys, pages(keys)) == [True] * 60
-            lost = on_node(backend, keys, victim)
+            lost = served_by(backend, keys, victim.port)
             right = [None if gone else make_page(k) for k, gone in zip(keys, lost, strict=True)]
             victim.pause()
             try:
@@ -198,7 +197,7 @@ async def test_a_probe_cancelled_lets_the_next_call_probe() -> None:
         async with RedisClusterBackend(cluster.url(), FMT, socket_timeout=TIMEOUT,
                                        node_cooldown=0.5) as backend:
             assert await backend.set_from(keys, pages(keys)) == [True] * 30
-            assert any(on_node(backend, keys, victim))
+            assert any(served_by(backend, keys, victim.port))
             victim.pause()
             try:
                 await read(backend, keys)  # its timeout: skipped from now on
