@@ -88,6 +88,10 @@ class _Hub:
             if self._storage is not None:
                 self._storage.on_stored.remove(self._on_stored)
             self._keys.clear()
+            # NOTE: unhooked, the tiers change unseen: the next batch skips a number, so a
+            # subscriber following `seq` from one stream to the next (a router across a
+            # publisher's restart) sees a gap, not a view gone stale carrying on
+            self._seq += 1
 
     def close(self) -> None:
         """The cache closed: a last batch with `AllBlocksCleared`, then every stream ends."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -19,9 +19,10 @@ _STEP_PAGES = 512
 """Pages hashed per step (1-3 ms of the loop on this project's 2-core VM)."""
 
 
-_Entry = tuple[Node, npt.NDArray[np.int64], int, DeviceState, HostState]
+_Entry = tuple[Node, npt.NDArray[np.int64], int, DeviceState, HostState, list[bool] | None]
 """A node as it was at subscribe time: the node, its key then (a split replaces `node.key`,
-it never writes into it), its parent's entry (-1: the root), its tier states then."""
+it never writes into it), its parent's entry (-1: the root), its tier states then, which of
+its pages were in L3 then (`Node.stored`: replaced on change, never written into)."""
 
 
 class Snapshot:
@@ -62,7 +63,7 @@ class Snapshot:
 
     def _run(self) -> Iterator[None]:
         budget = _STEP_PAGES
-        for node, tokens, up, device, host in self._entries:
+        for node, tokens, up, device, host, stored in self._entries:
             parent = self._keys[up][-1] if up >= 0 else None
             keys = self._known(node)
             if keys is None or len(keys) * self.page_size != len(tokens):
@@ -73,10 +74,25 @@ class Snapshot:
             for medium in _media(device, host):
                 self._events.append(BlockStored(list(keys), parent, tokens.tolist(),
                                                 self.page_size, medium))
+            self._storage(keys, parent, tokens, stored or ())
             budget -= len(keys)
             if budget <= 0:
                 budget = _STEP_PAGES
                 yield None
+
+    def _storage(self, keys: list[bytes], parent: bytes | None,
+                 tokens: npt.NDArray[np.int64], stored: Sequence[bool]) -> None:
+        """`storage` events for the runs of pages L3 held (as the stream reports a backup:
+        a subscriber from the start knew them, so a late one must too)."""
+        ps, first = self.page_size, None
+        for i, in_l3 in enumerate([*stored, False]):
+            if in_l3 and first is None:
+                first = i
+            elif not in_l3 and first is not None:
+                self._events.append(BlockStored(
+                    keys[first:i], keys[first - 1] if first else parent,
+                    tokens[first * ps:i * ps].tolist(), ps, "storage"))
+                first = None
 
     def _hash(self, tokens: npt.NDArray[np.int64], prev: bytes,
               out: list[bytes]) -> Iterator[None]:
@@ -104,5 +120,5 @@ def _capture(root: Node) -> list[_Entry]:
         if children := node.children:
             nodes += children.values()
             ups += [len(entries)] * len(children)
-        entries.append((node, node.key, up, node.device_state, node.host_state))
+        entries.append((node, node.key, up, node.device_state, node.host_state, node.stored))
     return entries

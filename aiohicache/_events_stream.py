@@ -71,7 +71,8 @@ class EventBatch:
     """The events of one turn of the event loop, in the order the tiers changed."""
 
     seq: int
-    """0, 1, 2, ... per cache; a gap means this subscriber dropped batches."""
+    """0, 1, 2, ... per cache; a gap means this subscriber dropped batches, or the tiers
+    changed while no stream subscribed (unseen by any)."""
     ts: float
     """Wall-clock time (`time.time()`) the batch was sealed."""
     events: list[KVEvent]
