@@ -124,7 +124,7 @@ static int read_whole(span_t *s) {
             s->iov[2 * k + 1].iov_len = (size_t)s->payload;
         }
         ssize_t got = preadv_full(s->fd, s->iov, (int)(2 * count),
-                                  (off_t)(s->offset + lo * size));
+                                  (off_t)(s->offset + (long long)lo * size));
         if (got < 0) return errno;
         Py_ssize_t whole = (Py_ssize_t)got / size;
         check_records(s, lo, whole < count ? whole : count);
@@ -137,7 +137,7 @@ static int read_whole(span_t *s) {
  * hashing as it lands: 1 if all of it came, 0 if the file ended, -1 on an error. */
 static int read_rest(span_t *s, Py_ssize_t i, void *state, size_t done) {
     unsigned char *dest = s->dests[i].buf;
-    off_t at = (off_t)(s->offset + i * (HEADER_SIZE + s->payload) + HEADER_SIZE);
+    off_t at = (off_t)(s->offset + (long long)i * (HEADER_SIZE + s->payload) + HEADER_SIZE);
     while (done < (size_t)s->payload) {
         size_t n = (size_t)s->payload - done;
         if (n > (size_t)s->chunk) n = (size_t)s->chunk;
@@ -157,7 +157,7 @@ static int read_pieces(span_t *s, void *state) {
     for (Py_ssize_t i = 0; i < s->num; i++) {
         unsigned char *dest = s->dests[i].buf;
         struct iovec iov[2] = {{s->headers, HEADER_SIZE}, {dest, first}};
-        off_t at = (off_t)(s->offset + i * (HEADER_SIZE + s->payload));
+        off_t at = (off_t)(s->offset + (long long)i * (HEADER_SIZE + s->payload));
         ssize_t got = preadv_full(s->fd, iov, 2, at);
         if (got < 0) return errno;
         if ((size_t)got < HEADER_SIZE + first) return 0; /* cut off */
@@ -223,6 +223,14 @@ static int check_sizes(span_t *s, const Py_buffer *prefix, const Py_buffer *key_
     }
     if (key_ids->len != 8 * s->num || outcomes->len != s->num) {
         PyErr_SetString(PyExc_ValueError, "read_checked: key ids or outcomes do not match");
+        return -1;
+    }
+    /* every record's offset (offset + i * record size) is then computed without overflow */
+    long long span, end;
+    if (s->payload > PY_SSIZE_T_MAX - HEADER_SIZE ||
+        __builtin_mul_overflow((long long)s->num, HEADER_SIZE + (long long)s->payload, &span) ||
+        __builtin_add_overflow(s->offset, span, &end)) {
+        PyErr_SetString(PyExc_ValueError, "read_checked: the span ends past the largest offset");
         return -1;
     }
     s->per_call = s->chunk / (HEADER_SIZE + s->payload);
@@ -382,13 +390,27 @@ done:
     return result;
 }
 
+/* Whether `a` (bind's arguments, in its order) are the functions bound. */
+static int bound_to(const unsigned long long a[6]) {
+    const uintptr_t bound[6] = {(uintptr_t)xxh3.oneshot, (uintptr_t)xxh3.create,
+                                (uintptr_t)xxh3.free,    (uintptr_t)xxh3.reset,
+                                (uintptr_t)xxh3.update,  (uintptr_t)xxh3.digest};
+    for (int i = 0; i < 6; i++) {
+        if (bound[i] != (uintptr_t)a[i]) return 0;
+    }
+    return 1;
+}
+
 static PyObject *bind(PyObject *module, PyObject *args) {
     unsigned long long a[6];
     (void)module;
     if (!PyArg_ParseTuple(args, "KKKKKK", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5]))
         return NULL;
     if (xxh3.oneshot != NULL) { /* spans may be running: never rebound under them */
-        PyErr_SetString(PyExc_RuntimeError, "bind: already bound");
+        /* NOTE: the same functions again are the package imported anew (importlib.reload,
+         * sys.modules cleared): this module's state outlives that, and nothing changes */
+        if (bound_to(a)) Py_RETURN_NONE;
+        PyErr_SetString(PyExc_RuntimeError, "bind: already bound to other functions");
         return NULL;
     }
     for (int i = 0; i < 6; i++) {
@@ -417,7 +439,8 @@ static PyMethodDef methods[] = {
     {"bind", bind, METH_VARARGS,
      "bind(oneshot, create_state, free_state, reset_with_seed, update, digest)\n"
      "The addresses of xxhash's XXH3_64bits_withSeed, XXH3_createState, XXH3_freeState,\n"
-     "XXH3_64bits_reset_withSeed, XXH3_64bits_update and XXH3_64bits_digest."},
+     "XXH3_64bits_reset_withSeed, XXH3_64bits_update and XXH3_64bits_digest. Once:\n"
+     "the same functions again change nothing, others are refused (RuntimeError)."},
     {"read_checked", read_checked, METH_VARARGS,
      "read_checked(fd, offset, payload, chunk, prefix, key_ids, dests, outcomes)\n"
      "Read adjacent records from `offset` into `dests`, about `chunk` bytes per preadv, and\n"

@@ -205,6 +205,8 @@ def _as_ids(ids: PageIds) -> PageIds:
     """`ids` as contiguous int64; refused if a cast would change one (a float, or a uint64
     past int64, which would wrap to a negative id: a skip, not an error)."""
     arr = np.asarray(ids)
+    if arr.size == 0:  # NOTE: numpy makes `[]` float64: no ids, not float ones
+        arr = arr.astype(np.int64)
     if arr.dtype.kind not in "iu" or (arr.dtype == np.uint64 and arr.size
                                       and int(arr.max()) > np.iinfo(np.int64).max):
         raise PageError(f"page ids: need integers that fit int64, got {arr.dtype} ids")
