@@ -12,52 +12,85 @@ from typing import TYPE_CHECKING, Any, Literal, Self, get_args
 import anyio
 import anyio.abc
 
-from ._events_stream import BlockRemoved, BlockStored, EventBatch, EventStream, Medium
+from ._events_stream import BlockRemoved, BlockStored, EventBatch, EventStream, KVEvent, Medium
 from ._validate import check_choice, check_int, check_number
 from .errors import ConfigError
 
 if TYPE_CHECKING:
     from .api import HiCache
 
-__all__ = ("DEFAULT_MEDIUM_NAMES", "END_SEQ", "ZmqEventPublisher", "encode_batch")
+__all__ = ("DEFAULT_MEDIUM_NAMES", "END_SEQ", "EventFormat", "HashFormat", "ZmqEventPublisher",
+           "encode_batch")
 
 log = logging.getLogger("aiohicache.events")
 
 
 DEFAULT_MEDIUM_NAMES: Mapping[str, str] = {"device": "GPU", "host": "CPU", "storage": "DISK"}
 
+HashFormat = Literal["int", "uint", "bytes"]
+EventFormat = Literal["array", "map"]
 
-def encode_batch(batch: EventBatch, *, hash_format: Literal["int", "bytes"] = "int",
+
+def _hash_of(hash_format: HashFormat) -> Callable[[bytes], int | bytes]:
+    """How a page key goes on the wire.
+
+    NOTE: "int" is signed, as SGLang sends its hashes (`hash_str_to_int64`): SGLang's router
+    decodes `block_hashes` as i64 and rejects the whole batch at a msgpack uint64 >= 2**63;
+    Dynamo and llm-d read either sign as the same u64, vLLM's decoders any int.
+    """
+    if hash_format == "bytes":
+        return bytes
+    if hash_format == "uint":  # vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES range
+        return lambda key: int.from_bytes(key[:8], "big")
+    return lambda key: int.from_bytes(key[:8], "big", signed=True)
+
+
+def encode_batch(batch: EventBatch, *, hash_format: HashFormat = "int",
+                 event_format: EventFormat = "array",
                  medium_names: Mapping[str, str] = DEFAULT_MEDIUM_NAMES,
                  data_parallel_rank: int | None = None) -> bytes:
-    """The msgpack payload vLLM's ``KVEventBatch`` decodes (msgspec ``array_like``, tagged).
+    """The msgpack payload vLLM's and SGLang's ``KVEventBatch`` decode (tagged msgspec structs).
 
-    ``[ts, [event, ...]]`` (plus ``data_parallel_rank`` when set), each event an array led by
-    its tag: ``["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium]``,
-    ``["BlockRemoved", hashes, medium]``, ``["AllBlocksCleared"]``. With ``hash_format="int"``
-    a key is its first 8 bytes as a big-endian unsigned int (as SGLang's 64-bit hashes).
+    ``[ts, [event, ...]]`` (plus ``data_parallel_rank`` when set). With ``event_format="array"``
+    (msgspec ``array_like``, vLLM before PR #42892) each event is an array led by its tag:
+    ``["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, lora_name]``,
+    ``["BlockRemoved", hashes, medium]``, ``["AllBlocksCleared"]``; with ``"map"`` (vLLM since
+    #42892, SGLang since #37482) a map of the same fields by name, the tag under ``"type"``.
+    A key goes out as its first 8 bytes, big-endian: a signed int64 (``"int"``), unsigned
+    (``"uint"``), or all 16 bytes (``"bytes"``).
     """
     import msgpack  # type: ignore[import-untyped]
 
-    def h(key: bytes) -> int | bytes:
-        return int.from_bytes(key[:8], "big") if hash_format == "int" else key
-
-    events: list[list[Any]] = []
-    for ev in batch.events:
-        if isinstance(ev, BlockStored):
-            events.append(["BlockStored", [h(k) for k in ev.block_hashes],
-                           None if ev.parent_block_hash is None else h(ev.parent_block_hash),
-                           ev.token_ids, ev.block_size, ev.lora_id, medium_names[ev.medium]])
-        elif isinstance(ev, BlockRemoved):
-            events.append(["BlockRemoved", [h(k) for k in ev.block_hashes],
-                           medium_names[ev.medium]])
-        else:
-            events.append(["AllBlocksCleared"])
-    body: list[Any] = [batch.ts, events]
+    h = _hash_of(hash_format)
+    events = [_event_fields(ev, h, medium_names) for ev in batch.events]
+    body: list[Any] = [batch.ts, [_shaped(fields, event_format) for fields in events]]
     if data_parallel_rank is not None:
         body.append(data_parallel_rank)
     out: bytes = msgpack.packb(body, use_bin_type=True)
     return out
+
+
+def _event_fields(ev: KVEvent, h: Callable[[bytes], int | bytes],
+                  medium_names: Mapping[str, str]) -> dict[str, Any]:
+    """An event's fields by name in vLLM's declaration order, its tag first under "type".
+
+    NOTE: `lora_name` (vLLM PR #27577) has no default: a vLLM decoder of 0.11.1 and later
+    rejects a ``BlockStored`` without it, by position as by name.
+    """
+    if isinstance(ev, BlockStored):
+        return {"type": "BlockStored", "block_hashes": [h(k) for k in ev.block_hashes],
+                "parent_block_hash": (None if ev.parent_block_hash is None
+                                      else h(ev.parent_block_hash)),
+                "token_ids": ev.token_ids, "block_size": ev.block_size, "lora_id": ev.lora_id,
+                "medium": medium_names[ev.medium], "lora_name": None}
+    if isinstance(ev, BlockRemoved):
+        return {"type": "BlockRemoved", "block_hashes": [h(k) for k in ev.block_hashes],
+                "medium": medium_names[ev.medium]}
+    return {"type": "AllBlocksCleared"}
+
+
+def _shaped(fields: dict[str, Any], event_format: EventFormat) -> list[Any] | dict[str, Any]:
+    return fields if event_format == "map" else list(fields.values())
 
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -78,7 +111,8 @@ class ZmqEventPublisher:
     behind) are gaps for every subscriber, which replay cannot fill: counted in `dropped`.
     So is a batch that cannot be encoded (a bug): it is skipped, logged at ERROR and counted
     in `failed`, and publishing goes on, as vLLM's publisher does; telemetry never stops the
-    cache.
+    cache. `hash_format` and `event_format` pick the shapes a given router decodes (see
+    `encode_batch`; docs/observability.md lists which router takes which).
 
     A replay waits for a slow client rather than drop what its pipe cannot take yet; one
     that takes longer than `replay_timeout_s` is abandoned (no end marker comes), since
@@ -106,7 +140,7 @@ class ZmqEventPublisher:
     def __init__(self, cache: HiCache, endpoint: str = "tcp://*:5557", *,
                  replay_endpoint: str | None = None, topic: str = "",
                  buffer_steps: int = 10_000, hwm: int = 100_000, max_batches: int = 1024,
-                 hash_format: Literal["int", "bytes"] = "int",
+                 hash_format: HashFormat = "int", event_format: EventFormat = "array",
                  medium_names: Mapping[str, str] = DEFAULT_MEDIUM_NAMES,
                  data_parallel_rank: int | None = None,
                  replay_timeout_s: float = 10.0, linger_s: float = 1.0) -> None:
@@ -116,8 +150,9 @@ class ZmqEventPublisher:
         self.topic = topic.encode()
         self.hwm = check_int("hwm", hwm, low=1)  # NOTE: 0 is "no limit" to ZMQ
         self.max_batches = check_int("max_batches", max_batches, low=1)
-        check_choice("hash_format", hash_format, ("int", "bytes"))
-        self.hash_format = hash_format
+        check_choice("hash_format", hash_format, get_args(HashFormat))
+        check_choice("event_format", event_format, get_args(EventFormat))
+        self.hash_format, self.event_format = hash_format, event_format
         self.medium_names = _checked_medium_names(medium_names)
         self.data_parallel_rank = (None if data_parallel_rank is None else
                                    check_int("data_parallel_rank", data_parallel_rank, low=0))
@@ -271,7 +306,7 @@ class ZmqEventPublisher:
         seq = batch.seq  # a batch the stream dropped is a gap here too (not replayable)
         try:
             payload = encode_batch(batch, hash_format=self.hash_format,
-                                   medium_names=self.medium_names,
+                                   event_format=self.event_format, medium_names=self.medium_names,
                                    data_parallel_rank=self.data_parallel_rank)
         except Exception:
             # NOTE: a bug, or `medium_names` edited since construction. Skipping the batch

@@ -296,7 +296,7 @@ async def test_storage_events_list_what_was_backed_up() -> None:
 
 
 def h(key: bytes) -> int:
-    return int.from_bytes(key[:8], "big")
+    return int.from_bytes(key[:8], "big", signed=True)
 
 
 class Subscriber:
@@ -339,8 +339,8 @@ class Subscriber:
             assert isinstance(ts, float)
             for ev in events:
                 if ev[0] == "BlockStored":
-                    _, hashes, _parent, tokens, size, lora, medium = ev
-                    assert len(tokens) == len(hashes) * size and lora is None
+                    _, hashes, _parent, tokens, size, lora, medium, lora_name = ev
+                    assert len(tokens) == len(hashes) * size and lora is lora_name is None
                     model |= {(medium, x) for x in hashes}
                 elif ev[0] == "BlockRemoved":
                     _, hashes, medium = ev
@@ -390,8 +390,8 @@ def test_encoding_is_msgspec_array_like(hash_format: str) -> None:
                                            data_parallel_rank=0))
     want = h(key) if hash_format == "int" else key
     want_parent = h(parent) if hash_format == "int" else parent
-    assert decoded == [1.5, [["BlockStored", [want], want_parent, [1, 2, 3, 4], 4, None, "CPU"],
-                             ["BlockRemoved", [want], "GPU"], ["AllBlocksCleared"]], 0]
+    assert decoded == [1.5, [["BlockStored", [want], want_parent, [1, 2, 3, 4], 4, None, "CPU",
+                              None], ["BlockRemoved", [want], "GPU"], ["AllBlocksCleared"]], 0]
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
