@@ -16,7 +16,8 @@ from typing import Any, ClassVar, Literal
 from ._validate import check_choice, check_int, check_number
 from .errors import ConfigError
 
-__all__ = ("StorageConfig", "TPConfig", "TransferConfig", "flatten", "group_of")
+__all__ = ("StorageConfig", "TPConfig", "TransferConfig", "flatten", "group_of",
+           "repr_hiding_credentials")
 
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 IOBackend = Literal["auto", "cpu", "kernel", "direct"]
@@ -93,6 +94,9 @@ class StorageConfig:
     failures_to_open: int = 5
     cooldown: float = 10.0
 
+    def __repr__(self) -> str:
+        return repr_hiding_credentials(self, "backend")
+
     def __post_init__(self) -> None:
         n = self.FLAT
         self._check_backend()
@@ -156,3 +160,19 @@ def group_of(cls: type[Any], flat: object) -> Any:
 def flatten(group: Group) -> dict[str, object]:
     """The flat `HiCacheConfig` keyword arguments that `group` stands for."""
     return {group.FLAT[f.name]: getattr(group, f.name) for f in fields(group)}
+
+
+def repr_hiding_credentials(obj: Any, url_field: str) -> str:
+    """The dataclass repr of `obj`, its `url_field` (a storage URL) without user, password
+    or key passphrase (`shown_url`).
+
+    NOTE: configs are what servers log: the generated repr showed the Redis password.
+    """
+    from .storage.factory import shown_url  # storage imports config: not at the top
+
+    def shown(name: str, value: object) -> object:
+        return shown_url(value) if name == url_field and isinstance(value, str) else value
+
+    items = ", ".join(f"{f.name}={shown(f.name, getattr(obj, f.name))!r}"
+                      for f in fields(obj) if f.repr)
+    return f"{type(obj).__qualname__}({items})"

@@ -22,6 +22,7 @@ from ._config_groups import (
     WritePolicy,
     flatten,
     group_of,
+    repr_hiding_credentials,
 )
 from ._validate import check_choice, check_int, check_number
 from .errors import ConfigError
@@ -256,6 +257,9 @@ class HiCacheConfig:
     """The L3 fields (`storage`, ``prefetch_*``, ``backup_*``, ``storage_*``) as one group."""
     tp: TPConfig = field(init=False, repr=False, compare=False)
     """The ``tp_*`` fields as one typed group."""
+
+    def __repr__(self) -> str:
+        return repr_hiding_credentials(self, "storage")
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, KVSpec):

@@ -41,6 +41,7 @@ import torch
 from ._validate import check_int, check_number
 from .errors import ConfigError
 from .storage import BackendStats, Breaker, PageFormat, StorageBackend, backend_from_url
+from .storage.factory import shown_url
 
 try:  # subclass SGLang's base class where SGLang is installed: its factory checks for it
     from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-found]
@@ -181,6 +182,8 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
     def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         self.url = str(extra.get("storage_url", DEFAULT_URL))
+        self._shown_url = shown_url(self.url)
+        """`url` as logged: without user, password or key passphrase."""
         self.options = dict(extra.get("storage_options") or {})
         self.timeout_s = check_number("timeout_s", extra.get("timeout_s", 30.0), low=0,
                                       low_open=True)
@@ -241,7 +244,7 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
             return backend_from_url(self.url, fmt, **self.options)
 
         self._backend = self._loop.run(build, self.timeout_s)
-        log.info("aiohicache storage for SGLang: %s, %d-byte pages", self.url,
+        log.info("aiohicache storage for SGLang: %s, %d-byte pages", self._shown_url,
                  fmt.payload_bytes)
 
     def close(self) -> None:
@@ -255,7 +258,7 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
                 try:
                     self._loop.run(backend.aclose, self.timeout_s)
                 except Exception:
-                    log.exception("aiohicache storage: closing %s failed", self.url)
+                    log.exception("aiohicache storage: closing %s failed", self._shown_url)
             self._loop.stop()
 
     # ---------------------------------------------------------------- zero-copy batch API
@@ -442,18 +445,18 @@ class AiohicacheStorage(_Base):  # type: ignore[misc]
         with self._breaker_lock:
             allowed = self._breaker.allow()
         if not allowed:
-            self._failures.failed(what, self.url, _SKIPPED)
+            self._failures.failed(what, self._shown_url, _SKIPPED)
             return failed
         try:
             got = self._loop.run(lambda: op(backend), self.timeout_s)
         except Exception as exc:
             with self._breaker_lock:
                 self._breaker.record_failure()
-            self._failures.failed(what, self.url, exc)
+            self._failures.failed(what, self._shown_url, exc)
             return failed
         with self._breaker_lock:
             self._breaker.record_success()
-        self._failures.succeeded(self.url)
+        self._failures.succeeded(self._shown_url)
         return got
 
     def _remember(self, store_keys: Sequence[str], ok: Sequence[bool]) -> None:

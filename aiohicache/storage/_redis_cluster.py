@@ -34,7 +34,14 @@ from .._validate import check_number
 from ..errors import ConfigError
 from ._node_circuits import NodeCircuits, NodeSkippedError
 from ._redis import Add, RedisBackend
-from ._redis_parts import CLUSTER_SCHEMES, Blob, check_query, safe_reason
+from ._redis_parts import (
+    CLUSTER_SCHEMES,
+    Blob,
+    FreshTlsConnection,
+    check_query,
+    check_tls_files,
+    safe_reason,
+)
 from .base import PageFormat
 from .errors import StorageWriteError
 
@@ -588,6 +595,7 @@ def cluster_client(url: str, safe_url: str, *, socket_timeout: float,
         raise ConfigError(f"url {safe_url!r}: {safe_reason(url, exc)}") from None
     for name in ("host", "port", "db", "connection_class"):
         options.pop(name, None)
+    check_tls_files(options, safe_url)
     # NOTE: no retries in the client, and no re-reading of the whole slot map after MOVED
     # (redis-py then closes every node's connections, failing the other nodes' pipelines in
     # flight): see RedisClusterBackend._refresh_slot_map
@@ -601,6 +609,10 @@ def cluster_client(url: str, safe_url: str, *, socket_timeout: float,
         raise ConfigError(f"url {safe_url!r}: an option the cluster client does not take "
                           f"({safe_reason(url, exc)})") from None
     made.nodes_manager.__class__ = _ConnectionKeepingNodesManager  # made by RedisCluster
+    if tls:  # the nodes' connections read rotated certificate files (no keyword for it)
+        made.connection_kwargs["connection_class"] = FreshTlsConnection  # nodes learnt later
+        for node in made.nodes_manager.startup_nodes.values():
+            node.connection_class = FreshTlsConnection
     return made
 
 

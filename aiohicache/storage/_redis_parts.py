@@ -3,13 +3,15 @@ thread) and connecting (URLs, pools, redaction)."""
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
 from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -17,8 +19,8 @@ from .._validate import check_int, check_number
 from ..errors import ConfigError
 from .base import HEADER_SIZE, PageFormat, decode_page, encode_header
 
-__all__ = ("CLUSTER_SCHEMES", "SCHEMES", "Blob", "check_options", "check_query", "check_settings",
-           "client",
+__all__ = ("CLUSTER_SCHEMES", "SCHEMES", "Blob", "FreshTlsConnection", "check_options",
+           "check_query", "check_settings", "check_tls_files", "client",
            "copy_payloads", "encode_objects", "leading_true", "redact", "verify")
 
 SCHEMES: Final = ("redis", "rediss", "unix")
@@ -109,7 +111,61 @@ def _pool(url: str, safe_url: str, **kwargs: object) -> BlockingConnectionPool:
     except TypeError as exc:  # an unknown query option: it failed at the first call
         raise ConfigError(f"url {safe_url!r}: an option redis-py does not take "
                           f"({safe_reason(url, exc)})") from None
+    check_tls_files(pool.connection_kwargs, safe_url)
+    if pool.connection_class is SSLConnection:
+        pool.connection_class = FreshTlsConnection
     return pool
+
+
+_TLS_FILES: Final = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
+def check_tls_files(options: Mapping[str, object], safe_url: str) -> None:
+    """Raise `ConfigError` naming a CA, certificate or key file of `options` that cannot be
+    read.
+
+    NOTE: redis-py reads them only as each connection opens, and a missing one failed it as
+    ``Error 2 connecting to host:port. No such file or directory``, naming no file (read as
+    the server missing): the breaker opened and L3 was lost, the typo never shown.
+    """
+    for name in _TLS_FILES:
+        path = options.get(name)
+        if path is not None and not (os.path.isfile(str(path))
+                                     and os.access(str(path), os.R_OK)):
+            raise ConfigError(f"url {safe_url!r}: {name} {str(path)!r} is not a readable file")
+
+
+class FreshTlsConnection(SSLConnection):
+    """redis-py's `SSLConnection`, but a connection opened after its CA, certificate or key
+    file changed reads them again: a certificate rotated on disk (a client's, for mTLS, or
+    the CA file) is used from the next connection on, no restart.
+
+    NOTE: redis-py builds each connection's TLS context once and keeps it: after a client
+    certificate was rotated, every reconnect presented the old one, refused once the server
+    stopped trusting it, until the process restarted.
+    """
+
+    _stamps: tuple[object, ...] = ()
+    """The files' identity (inode, mtime, size) when the context was last built."""
+
+    def _connection_arguments(self) -> Mapping[str, Any]:
+        tls = self.ssl_context
+        # NOTE: redis-py's private context holder (5.x-8.x); getattr: a release without
+        # these names keeps its own behaviour (no re-read), not an AttributeError
+        stamps = tuple(_stamp(getattr(tls, name, None))
+                       for name in ("ca_certs", "certfile", "keyfile"))
+        if stamps != self._stamps:
+            tls.context = None  # built again from the files, for this connection on
+            self._stamps = stamps
+        return super()._connection_arguments()
+
+
+def _stamp(path: str | None) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path) if path else None
+    except OSError:  # gone: the connection's own load says so
+        return None
+    return None if st is None else (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 _REFUSED_OPTIONS: Final = {
@@ -130,7 +186,7 @@ def safe_reason(url: str, exc: Exception) -> str:
     port error quotes what it took for the port: a password with an unencoded '/' or '#')."""
     auth = url.partition("://")[2].rpartition("@")[0]
     pieces = re.split(r"[:/?#@]", auth)
-    pieces += re.findall(r"(?i)\b(?:password|pass|passwd|pwd)=([^&#]*)", url)
+    pieces += re.findall(r"(?i)\b\w*?(?:password|pass|passwd|pwd)=([^&#]*)", url)
     message = str(exc)
     if any(piece and piece in message for piece in pieces):
         return _UNPARSABLE

@@ -287,9 +287,9 @@ def _split(url: str) -> SplitResult:
 def shown_url(url: str) -> str:
     """`url` with any user and password replaced by ``***``: everything up to the last
     ``@`` (a password may hold ``/``, ``?`` or ``#`` unencoded), and password options of
-    the query."""
+    the query, ``ssl_password`` (a client key's passphrase) included."""
     shown = re.sub(r"//.*@", "//***@", url, count=1, flags=re.S)
-    return re.sub(r"(?i)\b(password|pass|passwd|pwd)=[^&#]*", r"\1=***", shown)
+    return re.sub(r"(?i)\b(\w*?(?:password|pass|passwd|pwd))=[^&#]*", r"\1=***", shown)
 
 
 def _redis_backend(name: str) -> Any:

@@ -469,7 +469,7 @@ async def test_rediss_url_makes_tls_connections() -> None:
 
     b = RedisBackend("rediss://:pw@localhost:6380/2", FMT)  # nothing connects yet
     try:
-        assert b._client.connection_pool.connection_class is SSLConnection
+        assert issubclass(b._client.connection_pool.connection_class, SSLConnection)
         assert repr(b) == ("<RedisBackend rediss://***@localhost:6380/2 "
                            f"prefix='ahkv:{FMT.namespace_id.hex()}:' open>")
     finally:
