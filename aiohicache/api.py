@@ -117,6 +117,12 @@ class HiCache:
         core = self._core
         if core.state != "new":
             raise ClosedError("a HiCache can be opened once")
+        if self.storage is not None:
+            try:
+                self.storage.check_loop()  # NOTE: nothing started yet: a plain ConfigError
+            except ConfigError:
+                await self.storage.aclose()  # a store built from the URL is ours to close
+                raise
         core.loop, core.bridge, core.thread = current_loop(), LoopBridge(), threading.get_ident()
         ctl = core.controller = Controller(self.config, self.tree, self._make_engine(),
                                            storage=self.storage, tp=self.tp_group is not None)

@@ -113,6 +113,17 @@ class StorageTier(TPResults):
     def start(self, tg: TaskGroup) -> None:
         self._tg = tg
 
+    def check_loop(self) -> None:
+        """Raise `ConfigError` if the backend (or one it wraps) cannot run on this event
+        loop (a Redis store under trio), before the cache starts: else every L3 call
+        failed, logged as a bug, and the cache ran degraded for good."""
+        backend: object = self.backend
+        while backend is not None:
+            check = getattr(backend, "check_loop", None)
+            if callable(check):
+                check()
+            backend = getattr(backend, "inner", None)
+
     def _now(self) -> float:
         return self.agreed_now if self.tp else time.monotonic()
 

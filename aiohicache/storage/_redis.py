@@ -8,6 +8,7 @@ pages. Payloads are bytes in and bytes out; nothing is ever pickled.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import math
@@ -235,6 +236,10 @@ class RedisBackend:
         if self._closed:
             return
         self._closed = True
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # NOTE: trio: every call was refused, nothing connected (and
+            return  # redis-py's own close needs asyncio)
         await finish_then_cancel(self._close_when_idle())
         log.debug("redis backend %s closed", self.url)
 
@@ -376,6 +381,19 @@ class RedisBackend:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"{self!r} is closed")
+        self.check_loop()
+
+    def check_loop(self) -> None:
+        """Raise `ConfigError` unless an asyncio loop runs here: redis-py's client is
+        asyncio-only. NOTE: under trio every call raised a bare ``RuntimeError: no running
+        event loop``, and a cache over this store logged each L3 call as a bug and ran
+        degraded for good (its breaker open), never saying why."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise ConfigError(
+                "storage: a Redis store needs an asyncio event loop (redis-py's client is "
+                "asyncio-only); under trio use a file:// or memory:// store") from None
 
     @contextmanager
     def _in_flight(self) -> Iterator[None]:
