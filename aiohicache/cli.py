@@ -285,13 +285,16 @@ def _cache_options(ctx: click.Context, param: click.Parameter,
               show_default=True, help="Seconds a client may take to send a request's "
                                       "headers (an idle connection is closed then), and as "
                                       "long again for its body (then a 408).")
+@click.option("--max-connections", type=click.IntRange(min=1), default=None,
+              help="Connections open at once; one more closes the one idle longest, or "
+                   "with none idle, gets a 503 (default: half the open-file limit).")
 @loop_option
 def serve(host: str, port: int, model_path: str | None, served_model_name: str | None,
           page_size: int, l1: int, l2: int,
           l3: str, no_cache: bool, cache_options: dict[str, Any], compute_threads: int,
           max_running: int, max_waiting: int, torch_threads: int, seed: int,
           shutdown_timeout: float, stall_timeout: float, read_timeout: float,
-          loop: str) -> None:
+          max_connections: int | None, loop: str) -> None:
     """OpenAI-compatible completions server: an HF model generating through the cache.
 
     POST /v1/completions and /v1/chat/completions (streaming and not), GET /metrics
@@ -328,7 +331,8 @@ def serve(host: str, port: int, model_path: str | None, served_model_name: str |
         _serve_until_stopped(functools.partial(run_server, engine, host, port, on_ready=ready,
                                                shutdown_timeout=shutdown_timeout,
                                                stall_timeout=stall_timeout,
-                                               read_timeout=read_timeout), loop)
+                                               read_timeout=read_timeout,
+                                               max_connections=max_connections), loop)
 
 
 def _refuse_with_no_cache() -> None:

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import resource
 import socket
 import sys
 import time
@@ -26,6 +27,7 @@ from typing import Any
 
 import anyio
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 from transformers import PreTrainedTokenizerBase
 
 from .. import ConfigError, HiCacheError
@@ -121,6 +123,91 @@ class _InFlight:
             task.cancel()
 
 
+class _Connections:
+    """At most `bound` connections open at once (None: no bound). A connection past it closes
+    the connection idle longest (waiting for a request: kept alive, or its headers not all
+    come); with none idle, its own request is answered 503 and it is closed.
+
+    NOTE: there was no bound but the process's open files: a client holding a few hundred
+    idle connections (each closed only after the read timeout) used up the descriptors, and
+    every other client's connection waited in the listen queue, unaccepted, until those
+    timed out, while asyncio logged a traceback a second ("Too many open files").
+    """
+
+    def __init__(self) -> None:
+        self.bound: int | None = None
+        self._open: dict[RequestHandler, None] = {}  # oldest first
+        self._over: set[RequestHandler] = set()
+
+    def attach(self, server: web.Server, bound: int) -> None:
+        """Watch `server`'s connections (aiohttp's manager calls; its handlers report to
+        it as they connect and go)."""
+        self.bound = bound
+        made, lost = server.connection_made, server.connection_lost
+
+        def connection_made(handler: RequestHandler, transport: asyncio.Transport) -> None:
+            made(handler, transport)
+            self._made(handler)
+
+        def connection_lost(handler: RequestHandler, exc: BaseException | None = None) -> None:
+            self._open.pop(handler, None)
+            self._over.discard(handler)
+            lost(handler, exc)
+
+        server.connection_made = connection_made  # type: ignore[method-assign]
+        server.connection_lost = connection_lost  # type: ignore[method-assign]
+
+    def _made(self, handler: RequestHandler) -> None:
+        self._open[handler] = None
+        if self.bound is not None and len(self._open) > self.bound \
+                and not self._reclaim(handler):
+            self._over.add(handler)
+
+    def _reclaim(self, handler: RequestHandler) -> bool:
+        """Close the connection idle longest but `handler`'s; False if none is idle."""
+        for old in self._open:
+            if old is not handler and _idle(old):
+                del self._open[old]  # and iterate no more
+                old.force_close()
+                return True
+        return False
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        # NOTE: tried again at its request: connections accepted together, in one turn of
+        # the loop, are not idle yet when the next connects (their loops have not started)
+        if request.protocol not in self._over or self._reclaim(request.protocol):
+            self._over.discard(request.protocol)
+            return await handler(request)
+        response = _busy(f"{len(self._open)} connections open, the most this server keeps "
+                         f"(max_connections)")
+        response.force_close()
+        return response
+
+
+def _idle(handler: RequestHandler) -> bool:
+    """Whether `handler`'s connection waits for a request: it has had none parsed yet (its
+    loop may not have started), or its loop awaits the next (``_waiter``: aiohttp's own
+    test of an idle connection, its keep-alive timer's). A request parsed and not yet
+    handled is not idle: its waiter is done."""
+    waiter = handler._waiter
+    return handler.transport is not None and (
+        handler._request_count == 0 or (waiter is not None and not waiter.done()))
+
+
+_BACKLOG = 128
+"""The listen queue (aiohttp's default), which is also how many connections asyncio accepts
+at once, before any is seen (and one idle closed): the bound's headroom."""
+
+
+def default_max_connections() -> int:
+    """Half this process's open-file limit (``RLIMIT_NOFILE``) less one accept burst
+    (`_BACKLOG`): the rest is the cache's files and the model's."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    files = min(soft if soft != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
+    return max(1, (files - _BACKLOG) // 2)
+
+
 @web.middleware
 async def _json_errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
     """Every error in OpenAI's JSON shape, which OpenAI clients parse.
@@ -150,6 +237,7 @@ async def _json_errors(request: web.Request, handler: _Handler) -> web.StreamRes
 
 ENGINE = web.AppKey("engine", Engine)
 _IN_FLIGHT = web.AppKey("in_flight", _InFlight)
+_CONNECTIONS = web.AppKey("connections", _Connections)
 _STALL_TIMEOUT = web.AppKey("stall_timeout", float)
 _READ_TIMEOUT = web.AppKey("read_timeout", float)
 _TOKENIZING = web.AppKey("tokenizing", anyio.CapacityLimiter)
@@ -194,10 +282,12 @@ def build_app(engine: Engine, *, stall_timeout: float = 30.0,
     Raises:
         ConfigError: `stall_timeout` or `read_timeout` is not a positive finite number.
     """
-    in_flight = _InFlight()
-    app = web.Application(middlewares=[_json_errors, in_flight.middleware])
+    in_flight, connections = _InFlight(), _Connections()
+    app = web.Application(middlewares=[_json_errors, connections.middleware,
+                                       in_flight.middleware])
     app[ENGINE] = engine
     app[_IN_FLIGHT] = in_flight
+    app[_CONNECTIONS] = connections
     app[_STALL_TIMEOUT] = check_number("stall_timeout", stall_timeout, low=0, low_open=True)
     app[_READ_TIMEOUT] = check_number("read_timeout", read_timeout, low=0, low_open=True)
     app[_TOKENIZING] = anyio.CapacityLimiter(1)
@@ -212,7 +302,8 @@ def build_app(engine: Engine, *, stall_timeout: float = 30.0,
 @asynccontextmanager
 async def running_server(engine: Engine, host: str = "127.0.0.1", port: int = 0, *,
                          shutdown_timeout: float = 5.0, stall_timeout: float = 30.0,
-                         read_timeout: float = 60.0) -> AsyncIterator[str]:
+                         read_timeout: float = 60.0,
+                         max_connections: int | None = None) -> AsyncIterator[str]:
     """Serve `engine` on ``host:port`` (0: a free port) while the block runs; yields the base
     URL, e.g. ``http://127.0.0.1:43121``.
 
@@ -225,16 +316,22 @@ async def running_server(engine: Engine, host: str = "127.0.0.1", port: int = 0,
     (its turn, pages and connection are let go). A client gets `read_timeout` seconds to send
     a request's headers, from when its connection opens or its last answer ends (an idle
     keep-alive connection is closed then), and as long again for its body (then a 408).
+    At most `max_connections` connections are open at once (None: about half the process's
+    open-file limit; connections accepted together, a few hundred, may pass it until the
+    next): one more closes the one idle longest, or with none idle, is answered 503
+    (``server_busy``, ``Retry-After``).
 
     Raises:
-        ConfigError: `shutdown_timeout` is negative or not finite, or `stall_timeout` or
-            `read_timeout` not positive.
+        ConfigError: `shutdown_timeout` is negative or not finite, `stall_timeout` or
+            `read_timeout` not positive, or `max_connections` not a positive int.
         ListenError: the server cannot listen on ``host:port``.
 
     Cancellation: the stop above runs to the end all the same, then the cancellation
     propagates.
     """
     grace = check_number("shutdown_timeout", shutdown_timeout, low=0)
+    bound = default_max_connections() if max_connections is None else \
+        check_int("max_connections", max_connections, low=1)
     app = build_app(engine, stall_timeout=stall_timeout, read_timeout=read_timeout)
     # NOTE: aiohttp's own wait (for connections still open once the handlers are done)
     # reads 0 as no limit. Its keep-alive timer also closes a connection whose request's
@@ -243,6 +340,8 @@ async def running_server(engine: Engine, host: str = "127.0.0.1", port: int = 0,
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=max(grace, 0.1), keepalive_timeout=read_timeout)
     await runner.setup()
+    assert runner.server is not None
+    app[_CONNECTIONS].attach(runner.server, bound)
     try:
         yield await _listen(runner, host, port)
     finally:
@@ -255,13 +354,13 @@ async def running_server(engine: Engine, host: str = "127.0.0.1", port: int = 0,
 
 async def serve(engine: Engine, host: str, port: int, *, on_ready: Any = None,
                 shutdown_timeout: float = 5.0, stall_timeout: float = 30.0,
-                read_timeout: float = 60.0) -> None:
+                read_timeout: float = 60.0, max_connections: int | None = None) -> None:
     """Open `engine` and serve it until cancelled; ``on_ready(url)`` once listening.
-    `stall_timeout`, `read_timeout`: as `running_server`'s.
+    `stall_timeout`, `read_timeout`, `max_connections`: as `running_server`'s.
 
     Raises:
-        ConfigError: `shutdown_timeout` is negative or not finite, or `stall_timeout` or
-            `read_timeout` not positive.
+        ConfigError: `shutdown_timeout` is negative or not finite, `stall_timeout` or
+            `read_timeout` not positive, or `max_connections` not a positive int.
         ListenError: the server cannot listen on ``host:port``.
 
     Cancellation: how it ends: the server stops accepting, requests in flight get
@@ -271,9 +370,11 @@ async def serve(engine: Engine, host: str, port: int, *, on_ready: Any = None,
     check_number("shutdown_timeout", shutdown_timeout, low=0)  # before the cache opens
     check_number("stall_timeout", stall_timeout, low=0, low_open=True)
     check_number("read_timeout", read_timeout, low=0, low_open=True)
+    if max_connections is not None:
+        check_int("max_connections", max_connections, low=1)
     async with engine, running_server(engine, host, port, shutdown_timeout=shutdown_timeout,
-                                      stall_timeout=stall_timeout,
-                                      read_timeout=read_timeout) as url:
+                                      stall_timeout=stall_timeout, read_timeout=read_timeout,
+                                      max_connections=max_connections) as url:
         if on_ready is not None:
             on_ready(url)
         await anyio.sleep_forever()
@@ -282,7 +383,7 @@ async def serve(engine: Engine, host: str, port: int, *, on_ready: Any = None,
 async def _listen(runner: web.AppRunner, host: str, port: int) -> str:
     """Start listening; the base URL."""
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, backlog=_BACKLOG).start()
     except OSError as exc:
         where = f"{_host_for_url(host)}:{port}"
         raise ListenError(f"cannot listen on {where}: {_reason(exc)}") from exc
@@ -758,9 +859,10 @@ async def _prompt(app: web.Application, prompt: object) -> list[int]:
         if len(prompt) <= _INLINE_CHARS:
             return list(encode(prompt))
         return list(await anyio.to_thread.run_sync(encode, prompt, limiter=app[_TOKENIZING]))
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
+    if isinstance(prompt, list) and prompt:
+        ids = [_integral(t) for t in prompt]  # NOTE: [1.0, 2.0] was refused, as no ids
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            return ids  # type: ignore[return-value]
     raise _BadRequest("prompt: a non-empty string or list of token ids (one prompt per "
                       "request)")
 
