@@ -257,15 +257,17 @@ _TOKEN_INPUTS = st.one_of(
 @FUZZ
 @given(tokens=_TOKEN_INPUTS)
 def test_fuzz_token_inputs_are_ids_or_a_config_error(tokens: Any) -> None:
-    """Any token input: a fresh int64 copy of exactly the ids given, or ConfigError."""
+    """Any token input: a fresh copy of exactly the ids given (int32 if every id fits, else
+    int64: never wrapped), or ConfigError."""
     try:
         arr = as_tokens(tokens)
     except ConfigError as exc:
         assert str(exc).startswith("tokens: "), str(exc)
         return
-    assert arr.dtype == np.int64 and arr.ndim == 1
     given_ids = tokens.tolist() if isinstance(tokens, np.ndarray | torch.Tensor) else \
         [int(x) for x in tokens]
+    fits = all(-(2**31) <= int(x) < 2**31 for x in given_ids)
+    assert arr.dtype == (np.int32 if fits else np.int64) and arr.ndim == 1
     assert arr.tolist() == [int(x) for x in given_ids]
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._tokens import as_tokens
 from ..memory import PageAllocator
 from ..radix import PolicyName, RadixTree
 from ..replay.traces import Request
@@ -35,11 +36,12 @@ def bench_tree(requests: Sequence[Request], *, capacity_tokens: int, page_size: 
                eviction: PolicyName = "lru") -> TreeResult:
     """Replay `requests` on a bare `RadixTree` (one tier) and time the bookkeeping only.
 
-    Token arrays are built before the clock starts: the trace format, not the tree, decides
-    their cost. `eviction` names the tier's policy (`make_policy`), so the policies' own
+    Token arrays are built before the clock starts, as the API's door hands them to the tree
+    (`as_tokens`: int32 where every id fits): the trace format, not the tree, decides their
+    cost. `eviction` names the tier's policy (`make_policy`), so the policies' own
     cost per request can be compared on the same trace.
     """
-    tokens = [r.tokens() for r in requests]
+    tokens = [as_tokens(r.tokens()) for r in requests]
     tree = RadixTree(page_size=page_size,
                      device_alloc=PageAllocator(capacity_tokens // page_size),
                      host_alloc=PageAllocator(0), eviction=eviction)

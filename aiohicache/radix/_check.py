@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..errors import InvariantError
 from ..memory import PageIds
 from ._node import DeviceState, HostState, Node
@@ -21,7 +23,9 @@ def fingerprint(tree: TreeState, *, pages: bool = False) -> str:
     on those as well)."""
     items: list[str] = []
     for n in tree.iter_nodes():
-        item: list[object] = [len(n.path_to_root()), n.key.tobytes(), n.device_state.value,
+        # (the ids as int64 whatever the tree's key dtype: equal trees, equal values)
+        key = n.key.astype(np.int64, copy=False).tobytes()
+        item: list[object] = [len(n.path_to_root()), key, n.device_state.value,
                               n.host_state.value]
         if pages:
             item += [_page_bytes(n.device_pages), _page_bytes(n.host_pages), n.lock_ref,
@@ -71,6 +75,7 @@ def _node_problem(tree: TreeState, node: Node) -> str:
     checks = (
         (len(node.key) == node.num_pages * ps and node.num_pages > 0,
          "key length disagrees with its pages"),
+        (node.key.dtype == tree.key_dtype, "key dtype is not the tree's"),
         ((node.device_pages is None) == (not node.on_device), "device state vs pages"),
         ((node.host_pages is None) == (not node.on_host), "host state vs pages"),
         (node.on_device or node.on_host, "holds KV in no tier"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -60,13 +61,14 @@ class Node:
 
     id: int
     parent: Node | None
-    key: npt.NDArray[np.int64]
+    key: npt.NDArray[np.signedinteger[Any]]
+    """The node's token ids, in the tree's key dtype (`TreeState.keys`)."""
     device_pages: PageIds | None = None
     host_pages: PageIds | None = None
     device_state: DeviceState = DeviceState.ABSENT
     host_state: HostState = HostState.ABSENT
     children: dict[bytes, Node] = field(default_factory=dict)
-    """Keyed by the bytes of the child's first page of tokens."""
+    """Keyed by the bytes of the child's first page of tokens (in the tree's key dtype)."""
     device_children: int = 0
     """Children whose device state is not ABSENT (O(1) leaf test)."""
     host_children: int = 0

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import numpy as np
-import numpy.typing as npt
 
 from ._node import Node
-from ._results import common_tokens, compact
+from ._results import Keys, common_tokens, compact, page_bytes
 
 __all__ = ("ARC", "LFU", "LRU", "NEVER", "Belady", "EvictionPolicy", "PolicyName",
            "make_policy")
@@ -163,9 +162,13 @@ class EvictionPolicy:
     def on_evict(self, node: Node) -> None:
         """Victim `node` (all of its pages) leaves the tier; `node.parent` stays."""
 
-    def on_miss(self, after: Node, tokens: npt.NDArray[np.int64], pos: int) -> None:
+    def on_miss(self, after: Node, tokens: Keys, pos: int) -> None:
         """A request wanted the whole pages of `tokens` from `pos` on, right after `after`
         (a node or the root), and the tier had none of them."""
+
+    def widen(self) -> None:
+        """The tree's keys became int64 (`TreeState.keys`): tokens kept from them, and
+        dict keys made of their bytes, must be widened too."""
 
     def problem(self, resident: Iterable[Node]) -> str:
         """What is wrong with the policy's own bookkeeping given the tier's nodes, or ""."""
@@ -198,7 +201,7 @@ class _Ghost:
     num_pages: int
     cls: int
     node_id: int
-    key: npt.NDArray[np.int64]
+    key: Keys
 
 
 class ARC(EvictionPolicy):
@@ -223,7 +226,8 @@ class ARC(EvictionPolicy):
 
     Cost: push/pop O(log n); a miss looks up one ghost per evicted run it walks down (O(1)
     each, dict, then a compare of the run's tokens); `on_resident` O(1). Ghosts keep their
-    victims' tokens (8 bytes a token, at most ``GHOSTS * capacity`` pages of them).
+    victims' tokens (4 bytes a token, 8 in a widened tree; at most ``GHOSTS * capacity``
+    pages of them).
     """
 
     name = "arc"
@@ -272,22 +276,33 @@ class ARC(EvictionPolicy):
             _, gone = self._ghosts.popitem(last=False)
             self.ghost_pages[gone.cls] -= gone.num_pages
 
-    def on_miss(self, after: Node, tokens: npt.NDArray[np.int64], pos: int) -> None:
-        ps, parent_id = self.page_size, after.id
+    def on_miss(self, after: Node, tokens: Keys, pos: int) -> None:
+        ps, parent_id, dtype = self.page_size, after.id, after.key.dtype
         end = len(tokens) - len(tokens) % ps
         while pos < end:
-            ghost = self._ghosts.pop((parent_id, tokens[pos:pos + ps].tobytes()), None)
+            where = (parent_id, page_bytes(tokens[pos:pos + ps], dtype))
+            ghost = self._ghosts.get(where)
             if ghost is None:
                 return
-            self.ghost_pages[ghost.cls] -= ghost.num_pages
             # NOTE: only the pages the request wants: one that shares a ghost's first page
             # and then goes elsewhere missed one page of it, not the ghost's length
             wanted = common_tokens(ghost.key, tokens, pos, end) // ps
+            if not wanted:  # ids beyond int32 keys, wrapped to its first page: not it
+                return
+            del self._ghosts[where]
+            self.ghost_pages[ghost.cls] -= ghost.num_pages
             self._adapt(ghost.cls, wanted)
             if wanted < ghost.num_pages:
                 return
             pos += ghost.num_pages * ps
             parent_id = ghost.node_id
+
+    def widen(self) -> None:
+        ghosts = [(parent_id, ghost) for (parent_id, _), ghost in self._ghosts.items()]
+        self._ghosts = OrderedDict()
+        for parent_id, ghost in ghosts:  # (oldest first, as they were)
+            ghost.key = ghost.key.astype(np.int64)
+            self._ghosts[parent_id, ghost.key[:self.page_size].tobytes()] = ghost
 
     def _adapt(self, cls: int, num_pages: int) -> None:
         these, other = self.ghost_pages[cls] + num_pages, self.ghost_pages[1 - cls]

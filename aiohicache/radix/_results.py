@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -11,11 +12,15 @@ import numpy.typing as npt
 from ..memory import PageIds
 from ._node import Node
 
-__all__ = ("Eviction", "InsertResult", "Match", "Tokens", "as_token_array", "compact",
-           "held_bytes")
+__all__ = ("Eviction", "InsertResult", "Keys", "Match", "Tokens", "as_ids", "as_token_array",
+           "compact", "held_bytes", "narrow", "page_bytes")
 
 Tokens = npt.NDArray[np.int64]
 """Token ids as a 1-D int64 array: compared in bulk without copies (slices are views)."""
+
+Keys = npt.NDArray[np.signedinteger[Any]]
+"""Token ids as a tree keeps them (`RadixTree.keys`): a 1-D int32 array while every id the
+tree has seen fits, else int64."""
 
 
 @dataclass(slots=True)
@@ -78,19 +83,49 @@ class Eviction:
 
 
 
-def as_token_array(tokens: Tokens | Sequence[int]) -> Tokens:
+def as_token_array(tokens: Keys | Sequence[int]) -> Tokens:
     if isinstance(tokens, np.ndarray) and tokens.dtype == np.int64:
         return tokens
     return np.asarray(tokens, dtype=np.int64)
 
 
-def same_tokens(a: Tokens, b: Tokens) -> bool:
+def as_ids(tokens: Keys | Sequence[int]) -> Keys:
+    """`tokens` to read (no copy): an int32 or int64 array as it is, anything else as int64."""
+    if isinstance(tokens, np.ndarray) and (tokens.dtype == np.int32 or tokens.dtype == np.int64):
+        return tokens
+    return np.asarray(tokens, dtype=np.int64)
+
+
+def page_bytes(page: Keys, dtype: np.dtype[Any]) -> bytes:
+    """The bytes of `page` as ids of `dtype`: a children's or ghosts' dict key.
+
+    An int64 id beyond an int32 `dtype` wraps: whatever the bytes find must then be checked
+    against the ids themselves (`common_tokens` compares across dtypes exactly).
+    """
+    return (page if page.dtype is dtype else page.astype(dtype)).tobytes()
+
+
+def narrow(tokens: Tokens) -> Keys | None:
+    """`tokens` as a new int32 array, or None if an id does not fit in int32 (never
+    wrapped: a wrapped id would match the KV of another token)."""
+    # NOTE: one reduction for the usual ids (0 <= id < 2**31: as unsigned, below 2**31);
+    # negative ids take the second look
+    if len(tokens) and (int(np.maximum.reduce(tokens.view(np.uint64))) > _INT32_MAX and (
+            int(tokens.min()) < -_INT32_MAX - 1 or int(tokens.max()) > _INT32_MAX)):
+        return None
+    return tokens.astype(np.int32)
+
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def same_tokens(a: Keys, b: Keys) -> bool:
     # NOTE: count_nonzero, not .all(): the same pass without numpy's Python-level wrapper
     # (about a microsecond a call); `not` keeps the result a Python bool
     return len(a) == len(b) and not np.count_nonzero(a != b)
 
 
-def common_tokens(key: Tokens, tokens: Tokens, pos: int, end: int | None = None) -> int:
+def common_tokens(key: Keys, tokens: Keys, pos: int, end: int | None = None) -> int:
     """How many leading tokens of `key` `tokens` repeats from `pos` (up to `end`)."""
     span = min(len(key), (len(tokens) if end is None else end) - pos)
     same = key[:span] == tokens[pos:pos + span]
@@ -99,12 +134,12 @@ def common_tokens(key: Tokens, tokens: Tokens, pos: int, end: int | None = None)
     return span if np.count_nonzero(same) == span else int(same.argmin())
 
 
-def compact(key: Tokens) -> Tokens:
+def compact(key: Keys) -> Keys:
     """`key`, or a copy of it if it is a view keeping alive a buffer over twice its size."""
     return key.copy() if held_bytes(key) > 2 * key.nbytes else key
 
 
-def held_bytes(key: Tokens) -> int:
+def held_bytes(key: Keys) -> int:
     """Bytes of the buffer `key` keeps alive (a foreign buffer: counted as unbounded)."""
     if key.base is None:
         return key.nbytes

@@ -8,7 +8,8 @@ policy whenever it may have become a candidate). `RadixTree` adds the operations
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -17,6 +18,7 @@ from ..memory import PageAllocator, PageIds
 from . import _check
 from ._node import DeviceState, HostState, Node
 from ._policy import EvictionPolicy, PolicyName, make_policy
+from ._results import Keys, as_token_array, narrow
 
 __all__ = ("TreeState",)
 
@@ -41,7 +43,9 @@ class TreeState:
         self.device_alloc = device_alloc
         self.host_alloc = host_alloc
         self._ids = itertools.count(1)
-        self.root = Node(id=0, parent=None, key=np.empty(0, dtype=np.int64))
+        self.key_dtype: np.dtype[np.signedinteger[Any]] = np.dtype(np.int32)
+        """The dtype of every key in the tree: int32 until an id beyond it comes (`keys`)."""
+        self.root = Node(id=0, parent=None, key=np.empty(0, dtype=np.int32))
         self.root.lock_ref = 1  # the root is never evicted
         self._clock = 0
         self.on_split: list[Callable[[Node, Node], None]] = []
@@ -74,6 +78,43 @@ class TreeState:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    def keys(self, tokens: Keys | Sequence[int]) -> Keys:
+        """`tokens` as the tree keeps its keys: int32 while every id it was given fits, else
+        int64. Queries convert their tokens with this; a caller that passes the same tokens
+        to several of them converts once with it (an array of the key dtype is used as is).
+
+        NOTE: int32 keys halve the bytes a match compares, an insert copies and new keys
+        fault in. An id that does not fit widens the tree to int64 for good (every key, the
+        children's dicts, the policies' ghosts: O(tokens), once); nothing is ever wrapped.
+        """
+        return self._keys(tokens)[0]
+
+    def _keys(self, tokens: Keys | Sequence[int]) -> tuple[Keys, bool]:
+        """`keys`, and whether they are a new array no one else holds (made here)."""
+        if isinstance(tokens, np.ndarray) and tokens.dtype == self.key_dtype:
+            return tokens, False
+        wide = as_token_array(tokens)  # (may be `tokens`, or share its memory: a tensor's)
+        if self.key_dtype == np.int64:
+            return wide, False
+        keys = narrow(wide)
+        if keys is None:
+            self._widen()
+            return wide, False
+        return keys, True
+
+    def _widen(self) -> None:
+        """Make every key int64 (a token id beyond int32 came): children are keyed again by
+        the bytes of their first page, and so are the policies' ghosts."""
+        self.key_dtype = np.dtype(np.int64)
+        nodes = [self.root, *self.iter_nodes()]
+        for node in nodes:
+            node.key = node.key.astype(np.int64)
+        for node in nodes:
+            node.children = {child.key[:self.page_size].tobytes(): child
+                             for child in node.children.values()}
+        self.device_policy.widen()
+        self.host_policy.widen()
 
     # ------------------------------------------------------------------ state changes
 

@@ -18,16 +18,19 @@ from ._node import DeviceState, HostState, Node, PendingOp
 from ._results import (
     Eviction,
     InsertResult,
+    Keys,
     Match,
     Tokens,
-    as_token_array,
+    as_ids,
     common_tokens,
+    compact,
     held_bytes,
+    page_bytes,
     same_tokens,
 )
 from ._state import TreeState
 
-__all__ = ("Eviction", "InsertResult", "Match", "RadixTree", "Tokens")
+__all__ = ("Eviction", "InsertResult", "Keys", "Match", "RadixTree", "Tokens")
 
 
 class RadixTree(TreeState):
@@ -38,14 +41,17 @@ class RadixTree(TreeState):
     `TreeState`). Push and pop are O(log n); nothing scans the tree.
     """
 
-    def match(self, tokens: Tokens | Sequence[int], *, touch: bool = True) -> Match:
+    def match(self, tokens: Keys | Sequence[int], *, touch: bool = True) -> Match:
         """Find the longest cached page-aligned prefix of `tokens`.
 
         A match that ends inside a node splits it at the page boundary, so `path` covers
         exactly the matched pages. With `touch`, matched nodes count a hit and become the most
         recently used.
+
+        NOTE: `tokens` are read as given (int64 ids compared with int32 keys exactly): a
+        conversion to keys read and wrote all of them, where the match reads its prefix.
         """
-        tokens = as_token_array(tokens)
+        tokens = as_ids(tokens)
         path: list[Node] = []
         node, pos, end = self.root, 0, len(tokens) - len(tokens) % self.page_size
         while pos < end and (child := self._step(node, tokens, pos)) is not None:
@@ -61,7 +67,7 @@ class RadixTree(TreeState):
                 self._tell_misses(tokens, path, num_device)
         return Match(path, num_device, self.page_size)
 
-    def _tell_misses(self, tokens: Tokens, path: list[Node], num_device: int) -> None:
+    def _tell_misses(self, tokens: Keys, path: list[Node], num_device: int) -> None:
         """Show each tier's policy the pages it lacked: after the device part of the match
         (device), after the whole match (host)."""
         pos = 0
@@ -71,26 +77,29 @@ class RadixTree(TreeState):
             if policy.learns_from_misses:
                 policy.on_miss(path[end - 1] if end else self.root, tokens, pos)
 
-    def _step(self, node: Node, tokens: Tokens, pos: int) -> Node | None:
+    def _step(self, node: Node, tokens: Keys, pos: int) -> Node | None:
         """The child of `node` that matches `tokens` from `pos`, split to the matching pages
         when the match ends inside it; None when no child starts with the next page. After a
         split, the next step finds no child: the mismatching page starts the lower part."""
-        child = node.children.get(tokens[pos:pos + self.page_size].tobytes())
+        child = node.children.get(page_bytes(tokens[pos:pos + self.page_size],
+                                             self.key_dtype))
         if child is not None:
             # NOTE: one pass finds both whether the whole key matches and, if not, where
             # it stops (a match, then a second pass for the split, read the key twice)
             common = common_tokens(child.key, tokens, pos)
             if common < len(child.key):
-                # >= 1: the first page matched through the child's dict key
-                child = self._split(child, max(1, common // self.page_size))
+                if common < self.page_size:  # ids beyond int32 keys, wrapped to its page
+                    return None
+                child = self._split(child, common // self.page_size)
         return child
 
-    def keyed_prefix(self, tokens: Tokens) -> int:
+    def keyed_prefix(self, tokens: Keys | Sequence[int]) -> int:
         """How many leading tokens of `tokens` whole nodes hold with their page keys; read
         only (no split, no touch: a match ending inside a node stops before it)."""
-        node, pos = self.root, 0
-        while (child := node.children.get(tokens[pos:pos + self.page_size].tobytes())) \
-                is not None and child.hashes is not None \
+        node, pos, tokens = self.root, 0, as_ids(tokens)
+        while (child := node.children.get(page_bytes(tokens[pos:pos + self.page_size],
+                                                     self.key_dtype))) is not None \
+                and child.hashes is not None \
                 and same_tokens(tokens[pos:pos + len(child.key)], child.key):
             pos += len(child.key)
             node = child
@@ -107,7 +116,7 @@ class RadixTree(TreeState):
 
     # ------------------------------------------------------------------ insert
 
-    def insert(self, tokens: Tokens | Sequence[int], pages: PageIds, *,
+    def insert(self, tokens: Keys | Sequence[int], pages: PageIds, *,
                start_page: int = 0, hashes: list[bytes] | None = None,
                under: Node | None = None) -> InsertResult:
         """Insert `tokens` (whole pages) whose KV sits in device `pages` (one per page).
@@ -122,22 +131,27 @@ class RadixTree(TreeState):
 
         NOTE: from the root, every commit of a decode compared each node of its prefix again
         (a node per page): 12 us a node, 35 ms a commit 3,000 pages into a sequence.
+        NOTE: only the tokens after the caller's prefix are converted to keys (`keys`), and
+        the new leaf keeps the converted ones: no second copy.
         """
-        ps, tokens = self.page_size, as_token_array(tokens)
+        ps = self.page_size
         assert len(tokens) == len(pages) * ps, "tokens and pages disagree"
         res = InsertResult(last_node=None)
-        node, pos = self._insert_start(under, pages, start_page)
-        while pos < len(tokens) and (child := self._step(node, tokens, pos)) is not None:
-            self._adopt_or_drop(child, pages, pos // ps, start_page, res)
+        node, start = self._insert_start(under, pages, start_page)
+        rest, fresh = self._keys(tokens[start:])
+        pos = 0  # in `rest`
+        while pos < len(rest) and (child := self._step(node, rest, pos)) is not None:
+            self._adopt_or_drop(child, pages, (start + pos) // ps, start_page, res)
             pos += len(child.key)
             node = child
-        if pos < len(tokens):
-            leaf = self._add_leaf(node, tokens[pos:].copy(), pages[pos // ps:],
-                                  None if hashes is None else hashes[pos // ps:])
+        if pos < len(rest):
+            first = (start + pos) // ps
+            leaf = self._add_leaf(node, compact(rest[pos:]) if fresh else rest[pos:].copy(),
+                                  pages[first:], None if hashes is None else hashes[first:])
             res.new_nodes.append(leaf)
             node = leaf
         res.last_node = node if node is not self.root else None
-        for new in res.new_nodes[:-1] if pos < len(tokens) else res.new_nodes:
+        for new in res.new_nodes[:-1] if pos < len(rest) else res.new_nodes:
             self._count_hit(new)  # (a new leaf, the last, was made with its hit)
         self._touch(node.path_to_root()[::-1], hit=False)
         return res
@@ -173,7 +187,7 @@ class RadixTree(TreeState):
         else:
             res.duplicate_pages.append(theirs)
 
-    def insert_host(self, tokens: Tokens, host_pages: PageIds, *, start_page: int,
+    def insert_host(self, tokens: Keys | Sequence[int], host_pages: PageIds, *, start_page: int,
                     hashes: list[bytes]) -> tuple[list[Node], list[PageIds]]:
         """Add host-only pages (fetched from L3) for ``tokens`` pages ``start_page..``.
 
@@ -184,7 +198,7 @@ class RadixTree(TreeState):
         them): pages of a prefix already on the host, or everything when the prefix before
         `start_page` is gone or has no host copy (host residency must stay prefix-closed).
         """
-        ps, tokens = self.page_size, as_token_array(tokens)
+        ps, tokens = self.page_size, self.keys(tokens)
         used = np.zeros(len(host_pages), dtype=bool)
         nodes: list[Node] = []
         node, pos = self.root, 0
@@ -219,7 +233,7 @@ class RadixTree(TreeState):
             node.hashes = hashes[:node.num_pages]
         node.stored = [True] * node.num_pages
 
-    def _add_host_leaf(self, parent: Node, key: Tokens, pages: PageIds,
+    def _add_host_leaf(self, parent: Node, key: Keys, pages: PageIds,
                        hashes: list[bytes]) -> Node:
         """A host-only leaf of L3 `pages` under `parent` (whole pages: `key` and `hashes`)."""
         leaf = Node(id=next(self._ids), parent=parent, key=key.copy(), hashes=hashes,
@@ -229,7 +243,7 @@ class RadixTree(TreeState):
         self._set_host(leaf, pages.copy(), HostState.RESIDENT)
         return leaf
 
-    def _add_leaf(self, parent: Node, key: Tokens, pages: PageIds,
+    def _add_leaf(self, parent: Node, key: Keys, pages: PageIds,
                   hashes: list[bytes] | None) -> Node:
         # NOTE: its keys before it is made resident: the residency hooks (the events hub)
         # read them, and hashed them again on the loop when they came after
@@ -458,8 +472,7 @@ def _free_all(alloc: PageAllocator, frees: list[PageIds]) -> None:
         alloc.free(frees[0] if len(frees) == 1 else np.concatenate(frees))
 
 
-def _halves(key: np.ndarray, cut: int, *,
-            dropped: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def _halves(key: Keys, cut: int, *, dropped: bool = False) -> tuple[Keys, Keys]:
     """`key` cut at `cut`: the shorter side copied, the longer a view of `key` while the
     buffer it keeps alive is at most twice its size (else copied too). `dropped`: the tail
     is about to go, so it stays a view and the head is kept as a longer side would be.

@@ -308,7 +308,7 @@ def test_trimming_long_nodes_page_by_page_keeps_key_memory_bounded() -> None:
     held = sum({id(k.base if k.base is not None else k): (k.base if k.base is not None
                                                           else k).nbytes
                 for k in keys}.values())
-    assert live == 8 * keep * page_size * 8
+    assert live == 8 * keep * page_size * tree.key_dtype.itemsize
     assert held <= 2 * live
 
 

@@ -81,7 +81,7 @@ def test_a_trimmed_tail_that_stays_on_the_host_owns_compact_keys_and_pages() -> 
     assert tree.begin_write(node, op)
     tree.end_write(node)
     assert tree.evict_device(2).freed_pages == 2
-    head = tree.root.children[tokens[:PS].tobytes()]
+    head = tree.root.children[tree.keys(tokens[:PS]).tobytes()]
     (tail,) = head.children.values()
     assert tail.on_host and not tail.on_device and tail.host_pages is not None
     assert tail.key.tolist() == tokens[-2 * PS:].tolist()
