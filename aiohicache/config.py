@@ -217,7 +217,8 @@ class HiCacheConfig:
     """Times a crashed worker is restarted before the cache reports itself failed."""
     storage: object = None
     """L3: None, a URL (``memory://``, ``file:///dir``, ``redis://[user:pass@]host:port/db``,
-    ``rediss://...``) or an object implementing `aiohicache.storage.StorageBackend`."""
+    ``rediss://...``, ``unix:///path/redis.sock?db=0``) or an object implementing
+    `aiohicache.storage.StorageBackend`."""
     prefetch_policy: PrefetchPolicy = "timeout"
     """How long a fetch waits for its L3 prefetch: not at all (``best_effort``), until done
     (``wait_complete``), or up to ``min(max, base + per_1k_tokens * tokens / 1024)`` s."""

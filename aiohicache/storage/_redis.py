@@ -14,8 +14,8 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import replace
 from types import TracebackType
 from typing import Any, Self, TypeVar, TypeVarTuple, cast
@@ -31,11 +31,13 @@ from ..errors import ClosedError, ConfigError
 from ._common import check_buffers, check_keys
 from ._redis_parts import (
     Blob,
+    cancel_requests,
     check_settings,
     client,
     copy_payloads,
     encode_objects,
     leading_true,
+    raise_lost_cancel,
     redact,
     verify,
 )
@@ -86,7 +88,9 @@ class RedisBackend:
     appear in no message, log or repr (`url` has them removed).
 
     Args:
-        url: ``redis://[user:password@]host:port/db`` (``rediss://`` for TLS).
+        url: ``redis://[user:password@]host:port/db`` (``rediss://`` for TLS), or a local
+            socket: ``unix:///path/to/redis.sock?db=N`` (a password as ``password=`` in
+            the query, or ``unix://:password@/path/...``).
         fmt: the page format every object is written in and checked against.
         key_prefix: prepended to every key; default ``ahkv:<namespace id hex>:``.
         max_batch: most commands (pages) in one pipeline.
@@ -193,7 +197,7 @@ class RedisBackend:
             await self._look_at_memory()
 
     async def _ping(self) -> None:
-        async with self._connections:
+        async with self._connection():
             await self._client.ping()
 
     async def _look_at_memory(self) -> None:
@@ -223,7 +227,7 @@ class RedisBackend:
             await self._look_at_memory()  # NOTE: it raises nothing
 
     async def _memory_info(self) -> list[dict[str, object]]:
-        async with self._connections:
+        async with self._connection():
             return [await self._client.info("memory")]
 
     async def aclose(self) -> None:
@@ -371,12 +375,21 @@ class RedisBackend:
         with self._in_flight(), self._translate(StorageWriteError, "delete"):
             for lo in range(0, len(names), self.max_batch):
                 self._count_round_trip(1)
-                async with self._connections:
+                async with self._connection():
                     removed += await self._client.delete(*names[lo:lo + self.max_batch])
         self._stats.pages_deleted += removed
         return removed
 
     # ------------------------------------------------------------------ helpers
+
+    @asynccontextmanager
+    async def _connection(self) -> AsyncIterator[None]:
+        """Hold one of the `max_connections` while the block sends; a cancellation redis-py
+        swallowed meanwhile is raised as the block ends (see `raise_lost_cancel`)."""
+        async with self._connections:
+            before = cancel_requests()
+            yield
+        await raise_lost_cancel(before)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -441,14 +454,14 @@ class RedisBackend:
     async def _execute(self, pipe: Pipeline | ClusterPipeline, *,
                        raise_on_error: bool = True) -> list[object]:
         self._count_round_trip(len(pipe))
-        async with self._connections:
+        async with self._connection():
             replies: list[object] = await pipe.execute(raise_on_error=raise_on_error)
         return replies
 
     async def _mget(self, names: list[str]) -> list[Blob]:
         self._count_round_trip(len(names))
         # decode_responses is off: values come back as bytes (or None where absent).
-        async with self._connections:
+        async with self._connection():
             return cast(list[Blob], await self._client.mget(names))
 
     async def _set_pipeline(self, names: list[str], objects: list[memoryview]) -> list[bool]:

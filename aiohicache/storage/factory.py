@@ -7,6 +7,7 @@
     backend_from_url("file:///var/cache/kv?compact_dead_fraction=0.8", fmt)  # less copying
     backend_from_url("file:relative/dir", fmt)          # relative to the working directory
     backend_from_url("redis://:pw@host:6379/0", fmt)     # also rediss:// (TLS)
+    backend_from_url("unix:///run/redis/redis.sock?db=0&password=pw", fmt)  # a local socket
     backend_from_url("redis+cluster://host1:7000,host2:7001", fmt)   # Redis/Valkey Cluster
     backend_from_url("redis+cluster://host1:7000?node_cooldown=5", fmt)  # skip a hung node 5 s
     backend_from_url(my_backend, fmt)                    # any StorageBackend, as is
@@ -36,7 +37,7 @@ from .memory import MemoryBackend
 __all__ = ("URL_OPTIONS", "backend_from_url", "check_url", "parse_size", "shown_url")
 
 _SCHEMES = ("memory://, file:///abs/dir, file:rel/dir, redis://..., rediss://..., "
-            "redis+cluster://host:port,..., rediss+cluster://...")
+            "unix:///path/to/redis.sock, redis+cluster://host:port,..., rediss+cluster://...")
 _CLUSTER = ("redis+cluster", "rediss+cluster", "valkey+cluster", "valkeys+cluster")
 
 URL_OPTIONS: dict[str, dict[str, str]] = {
@@ -78,7 +79,8 @@ def check_url(url: str) -> None:
             scheme, anything after ``memory://`` but its query, a file URL with a host or no
             directory, a query option a memory or file URL does not take or a bad value of
             one, a redis or cluster URL without a host, with a bad port or database number, or
-            with a query option redis-py (or the backend) refuses.
+            with a query option redis-py (or the backend) refuses, a unix URL with a host or
+            no absolute socket path.
     """
     _parse(url)
 
@@ -170,6 +172,9 @@ def _parse(url: object) -> tuple[str, str]:
     if scheme in ("redis", "rediss"):
         _check_redis(url)
         return "redis", url
+    if scheme == "unix":
+        _check_unix(url)
+        return "redis", url
     if scheme in _CLUSTER:
         _check_cluster(url)
         return "cluster", url
@@ -241,6 +246,21 @@ def _check_redis(url: str) -> None:
         raise ConfigError(f"storage: redis URL {shown!r} takes no fragment ('#...')")
     if parts.query:
         _check_redis_options(url, shown)
+
+
+def _check_unix(url: str) -> None:
+    """``unix://[[user]:password@]/abs/redis.sock[?db=N&password=...]``: a Redis server's
+    local socket, as redis-py takes it (the database and options in the query)."""
+    parts = _split(url)
+    shown = shown_url(url)
+    if parts.netloc.rpartition("@")[2] or not parts.path.startswith("/"):
+        # NOTE: redis-py ignores a host here, and reads a relative path from the working
+        # directory of whichever process opens the store
+        raise ConfigError(f"storage: unix URL {shown!r} must name no host and an absolute "
+                          f"socket path, as in 'unix:///run/redis/redis.sock?db=0'")
+    if parts.fragment:
+        raise ConfigError(f"storage: unix URL {shown!r} takes no fragment ('#...')")
+    _check_redis_options(url, shown)
 
 
 def _check_redis_options(url: str, shown: str, module: str = "_redis_parts") -> None:
