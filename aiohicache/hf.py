@@ -72,9 +72,23 @@ def kv_spec(config: PretrainedConfig, dtype: torch.dtype | str | None = None) ->
         dtype: the KV dtype; default the config's ``dtype`` (float32 if unset).
 
     Raises:
-        ConfigError: the config lacks the fields of a decoder-only attention model.
+        ConfigError: the config lacks the fields of a decoder-only attention model, sets
+            them per layer, or is multi-head latent attention (a cached latent).
     """
     text = config.get_text_config(decoder=True)
+    # NOTE: a heterogeneous config (Gemma 4: ``head_dim`` per layer) raised transformers'
+    # RuntimeError on reading these fields; the pool holds one KV shape for every layer
+    varying = sorted(_READ_FIELDS & set(getattr(text, "per_layer_attributes", None) or ()))
+    if varying:
+        raise ConfigError(f"config: {', '.join(varying)} set per layer (per_layer_config): "
+                          f"only one KV shape and attention kind for every layer is supported")
+    if getattr(text, "kv_lora_rank", None):
+        # NOTE: transformers caches MLA's latent (K: the compressed KV, V: the shared rope
+        # key, one head): a spec of its heads passed, and every request was refused at the
+        # model's first layer, as a spec that "does not describe this model"
+        raise ConfigError(f"config: multi-head latent attention (kv_lora_rank="
+                          f"{text.kv_lora_rank}) caches a latent, not per-head K/V: not "
+                          f"supported by the transformers adapter")
     try:
         heads = int(text.num_attention_heads)
         kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
@@ -84,6 +98,13 @@ def kv_spec(config: PretrainedConfig, dtype: torch.dtype | str | None = None) ->
         raise ConfigError(f"config: not a decoder-only attention model ({exc})") from None
     return KVSpec.mha(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                       dtype=dtype or getattr(text, "dtype", None) or torch.float32)
+
+
+_READ_FIELDS = frozenset({
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+    "layer_types", "sliding_window", "use_sliding_window", "attention_chunk_size",
+    "rope_parameters", "rope_scaling"})
+"""Config fields `kv_spec` and `HFAdapter` read as one value for the whole model."""
 
 
 def forward(model: PreTrainedModel, tokens: list[int], past: DynamicCache, *,
@@ -239,11 +260,16 @@ class PoolCache(DynamicCache):
             super().__init__(config=config)
         self._link: _PoolLink | None = link
         self._filled = [n == 0] * spec.num_layers
+        self._updated = [False] * spec.num_layers
         self.tokens = [int(t) for t in prefix]
 
     def detach(self) -> None:
         """Stop reading from and writing to the pool (the prefill is over)."""
         self._link = None
+
+    def layers_not_updated(self) -> list[int]:
+        """Layers whose KV no pass handed to the cache while it was attached to the pool."""
+        return [i for i, done in enumerate(self._updated) if not done]
 
     def crop(self, *args: Any, **kwargs: Any) -> None:
         # NOTE: speculative decoding crops rejected drafts: recorded still, they shifted the
@@ -267,6 +293,7 @@ class PoolCache(DynamicCache):
             if not self._filled[layer_idx]:
                 self._fill(link, layer_idx)
             self._store(link, layer_idx, key_states, value_states)
+            self._updated[layer_idx] = True
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         return keys, values
 
@@ -284,6 +311,19 @@ class PoolCache(DynamicCache):
         pool, slots = link.cache.device_pool, link.new_slots
         pool.k_buffer(layer)[slots] = k[0, :, link.skip:].transpose(0, 1)
         pool.v_buffer(layer)[slots] = v[0, :, link.skip:].transpose(0, 1)
+
+
+def _check_updated(model: PreTrainedModel, past: PoolCache) -> None:
+    """Refuse a pass whose layers did not hand their KV to `past` (nothing of theirs stored).
+
+    NOTE: a forward that took the cache and dropped it (remote code, a wrapper losing the
+    keyword) had its leased slots committed unwritten, stale memory as the prompt's KV, and
+    on a hit computed the suffix without the prefix: other logits, unsaid.
+    """
+    if missed := past.layers_not_updated():
+        raise ConfigError(f"model: layers {missed} never passed their KV through the cache "
+                          f"given as `{cache_kwarg(model)}` (its forward does not use it): "
+                          f"nothing is committed")
 
 
 def _check_fed(past: PoolCache, ids: list[int]) -> None:
@@ -358,7 +398,8 @@ class HFAdapter:
             one-thread executor runs them one at a time, as one accelerator would.
 
     Raises:
-        ConfigError: the cache's KV spec or device does not fit the model.
+        ConfigError: the cache's KV spec or device does not fit the model, or its forward
+            takes no KV cache.
     """
 
     def __init__(self, model: PreTrainedModel, cache: HiCache, *,
@@ -370,6 +411,12 @@ class HFAdapter:
         if cache.device_pool.device != model.device:
             raise ConfigError(f"device: the cache is on {cache.device_pool.device}, the model "
                               f"on {model.device}")
+        params = inspect.signature(type(model).forward).parameters
+        if "cache" not in params and "past_key_values" not in params:
+            # NOTE: GPT-1's forward swallows the keyword (``**kwargs``): a hit ran the suffix
+            # alone, and a miss committed slots nothing had written
+            raise ConfigError(f"model: {type(model).__name__}.forward takes no KV cache "
+                              f"(neither `cache` nor `past_key_values`)")
         text = model.config.get_text_config(decoder=True)
         types = getattr(text, "layer_types", None)
         if types is not None and set(types) != {"full_attention"}:
@@ -404,7 +451,8 @@ class HFAdapter:
         Raises:
             ConfigError: `tokens` are not the fetched tokens, a prefill completed in `hit`
                 already or is under way there, or the model computes KV of another shape
-                or dtype than the cache's spec (nothing is committed).
+                or dtype than the cache's spec, or its layers never hand their KV to the
+                cache (nothing is committed).
             TransferError: loading the prefix failed.
             CapacityError: no device slots for the new tokens.
 
@@ -439,6 +487,7 @@ class HFAdapter:
         try:
             logits = await self._run_gated(hit, link, past, ids[reuse:], all_logits)
             past.detach()
+            _check_updated(self.model, past)
             if slots is not None:
                 await hit.commit(ids, slots)
         except BaseException:
