@@ -9,7 +9,7 @@
 
 Several caches in one registry (TP ranks of one process) go through one `MultiCacheCollector`,
 each with labels that tell it apart: collectors registered side by side would print each
-family once per cache, which scrapers reject.
+family once per cache, which scrapers reject, so registering the second raises.
 
 Every value is read from the cache when the registry is scraped (nothing is counted twice and
 the cache keeps no Prometheus objects). Needs the ``metrics`` extra (``prometheus-client``).
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -55,6 +55,8 @@ _STORAGE_COUNTERS = (
     ("storage_negative_hits", "negative_hits", "Prefetches skipped by the negative cache."),
     ("storage_backed_up_pages", "backed_up_pages", "Pages written to L3."),
     ("storage_backup_failed_pages", "backup_failed_pages", "Pages L3 failed to store."),
+    ("storage_backups_skipped", "backups_skipped",
+     "Pages of backups a close cancelled before L3 took them."),
     ("storage_errors", "errors", "L3 operations that failed (each one a miss)."),
     ("storage_corrupt_pages", "corrupt", "L3 objects rejected by their checksum or key."),
     ("storage_bypassed", "bypassed", "L3 operations skipped while the breaker was open."),
@@ -85,7 +87,13 @@ class CacheCollector(Collector):
         return dict(zip(self._names, self._values, strict=True))
 
     def describe(self) -> list[Metric]:
-        return []  # collected on demand: registering never reads the cache
+        """The families a scrape would print now (their values are not what matters).
+
+        NOTE: an empty list told the registry no names, so a second collector of the same
+        families (a cache per TP rank, each registered alone) was accepted and every scrape
+        printed each family twice, which scrapers reject; with the names, `register` raises.
+        """
+        return list(self.collect())
 
     def collect(self) -> Iterator[Metric]:
         s = self.cache.stats()
@@ -247,7 +255,7 @@ class MultiCacheCollector(Collector):
                               "values that tell it apart")
 
     def describe(self) -> list[Metric]:
-        return []  # as CacheCollector's
+        return list(self.collect())  # as CacheCollector's: a duplicate registration raises
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
@@ -261,9 +269,9 @@ class MultiCacheCollector(Collector):
 
 
 def render(cache: HiCache, *, labels: Mapping[str, str] | None = None) -> bytes:
-    """The Prometheus text exposition of `cache` alone (a fresh registry each call)."""
+    """The Prometheus text exposition of `cache` alone."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(CacheCollector(cache, labels=labels))
-    return generate_latest(registry)
+    # NOTE: the collector as the registry: `generate_latest` only collects, and registering
+    # it would collect once more (`describe`) on every scrape of `aiohicache serve`
+    return generate_latest(cast(CollectorRegistry, CacheCollector(cache, labels=labels)))
