@@ -32,7 +32,7 @@ __all__ = ("hub_of",)
 class _Hub:
     """Turns the tree's residency changes into batches for the cache's subscribers.
 
-    Hooked into the tree (and the L3 tier) only while someone subscribes. Per change it does
+    Hooked into the tree only while someone subscribes. Per change it does
     O(pages of the node) work: the node's page keys, cached per node id (a node keeps its
     prefix for life; a split only cuts its front off, so the cached keys' tail stays right).
     """
@@ -40,7 +40,6 @@ class _Hub:
     def __init__(self, cache: HiCache) -> None:
         cfg = cache.config
         self._tree = cache.tree
-        self._storage = cache.storage
         rank, size = shard(cfg)
         self._root = namespace_root(namespace=cfg.namespace,
                                     spec_fingerprint=cfg.spec.fingerprint(),
@@ -69,8 +68,7 @@ class _Hub:
         if not self._attached:
             self._attached = True
             self._tree.on_residency.append(self._on_residency)
-            if self._storage is not None:
-                self._storage.on_stored.append(self._on_stored)
+            self._tree.on_stored.append(self._on_stored)
         if snapshot:
             stream._offer(Snapshot(self._tree.root, root=self._root, page_size=self._ps,
                                    known=self._known, remember=self._remember))
@@ -85,8 +83,7 @@ class _Hub:
         if self._attached:
             self._attached = False
             self._tree.on_residency.remove(self._on_residency)
-            if self._storage is not None:
-                self._storage.on_stored.remove(self._on_stored)
+            self._tree.on_stored.remove(self._on_stored)
             self._keys.clear()
             # NOTE: unhooked, the tiers change unseen: the next batch skips a number, so a
             # subscriber following `seq` from one stream to the next (a router across a
@@ -118,8 +115,14 @@ class _Hub:
                 self._keys.pop(node.id, None)
         self._schedule()
 
-    def _on_stored(self, node: Node, pages: list[int]) -> None:
+    def _on_stored(self, node: Node, pages: list[int], present: bool) -> None:
         keys, ps = self._node_keys(node), self._ps
+        if not present:  # forgotten (the node left the tree): runs need no parent
+            self._pending.append(BlockRemoved([keys[i] for i in pages], "storage"))
+            if not node.alive:
+                self._keys.pop(node.id, None)
+            self._schedule()
+            return
         runs: list[list[int]] = []
         for i in pages:
             if runs and runs[-1][-1] == i - 1:

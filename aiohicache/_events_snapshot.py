@@ -82,8 +82,8 @@ class Snapshot:
 
     def _storage(self, keys: list[bytes], parent: bytes | None,
                  tokens: npt.NDArray[np.int64], stored: Sequence[bool]) -> None:
-        """`storage` events for the runs of pages L3 held (as the stream reports a backup:
-        a subscriber from the start knew them, so a late one must too)."""
+        """`storage` events for the runs of pages known to be in L3 (`Node.stored`: the
+        stream reports each change of it, so a subscriber from the start knows the same)."""
         ps, first = self.page_size, None
         for i, in_l3 in enumerate([*stored, False]):
             if in_l3 and first is None:

@@ -60,7 +60,7 @@ class BlockRemoved:
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
-    """Every page of L1 and L2 is gone (the cache closed)."""
+    """The cache closed: it holds nothing in any medium (its L3 pages stay, untracked)."""
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared

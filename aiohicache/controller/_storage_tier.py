@@ -89,8 +89,6 @@ class StorageTier(TPResults):
         self.counters = StorageCounters()
         self.histograms = TransferHistograms()
         """Bytes and seconds of each L3 read (load, L3 -> L2) and write (store, L2 -> L3)."""
-        self.on_stored: list[Callable[[Node, list[int]], None]] = []
-        """Called as ``hook(node, pages)`` with the indices of `node`'s pages newly in L3."""
         self.reserved_host: dict[int, PageIds] = {}  # prefetch id -> host pages not in tree
         self._inflight: dict[tuple[bytes, bytes], PrefetchJob] = {}  # (first, last key)
         self._misses = _MissCache(ttl=config.l3.miss_ttl,
@@ -426,12 +424,8 @@ class StorageTier(TPResults):
         for node in backup.nodes:
             if node.alive and node.hashes is not None:
                 was = node.stored or [False] * node.num_pages
-                node.stored = [bool(a) or key in done for a, key in zip(
-                    was, node.hashes, strict=True)]
-                if self.on_stored and (new := [i for i, (a, b) in enumerate(
-                        zip(was, node.stored, strict=True)) if b and not a]):
-                    for hook in self.on_stored:
-                        hook(node, new)
+                self.tree.mark_stored(node, [bool(a) or key in done for a, key in zip(
+                    was, node.hashes, strict=True)])
         for key in done:  # stored now: a negative-cache entry for it would hide a real hit
             self._misses.discard(key)
         self.counters.backed_up_pages += sum(ok)

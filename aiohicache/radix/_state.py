@@ -53,6 +53,10 @@ class TreeState:
         self.on_residency: list[Callable[[Node, str, bool], None]] = []
         """Called as ``hook(node, "device" | "host", present)`` when a node gains or loses a
         tier (KV events; aiohicache.events). Splits move no page between tiers: not called."""
+        self.on_stored: list[Callable[[Node, list[int], bool], None]] = []
+        """Called as ``hook(node, pages, present)`` with the indices of `node`'s pages the
+        tree learns are in L3 (`Node.stored`, `mark_stored`), or forgets are (the node left
+        the tree, `_delete`) (KV events: what a snapshot lists, the stream must have said)."""
         self._num_nodes = 0
         self._pushes = 0  # queue pushes since the entries were last counted
         device, host = (eviction, eviction) if isinstance(eviction, str) else eviction
@@ -185,6 +189,18 @@ class TreeState:
         if node.host_ref == 0:
             self._offer(node)
 
+    def mark_stored(self, node: Node, stored: list[bool]) -> None:
+        """Record which of `node`'s pages are in L3. NOTE: `stored` replaces the list, never
+        written into: a snapshot being taken keeps the one it captured."""
+        was = node.stored or [False] * len(stored)
+        node.stored = stored
+        if self.on_stored:
+            for present in (True, False):
+                if pages := [i for i, (a, b) in enumerate(zip(was, stored, strict=True))
+                             if b != a and b == present]:
+                    for hook in self.on_stored:
+                        hook(node, pages, present)
+
     def _delete(self, node: Node) -> None:
         assert not node.children and not node.on_device and not node.on_host
         parent = node.parent
@@ -192,6 +208,12 @@ class TreeState:
         del parent.children[node.key[:self.page_size].tobytes()]
         node.alive = False
         self._num_nodes -= 1
+        # NOTE: the tree forgets its pages are in L3 (they may still be there: a later
+        # prefetch finds them); a router told they were must be told they no longer are,
+        # or its model of the instance outgrows what the instance (and its snapshot) knows
+        if self.on_stored and node.stored and any(node.stored):
+            for hook in self.on_stored:
+                hook(node, [i for i, s in enumerate(node.stored) if s], False)
         # (only the host tier: a parent's device candidacy reads no `children`, and the
         # `_set_device` / `_set_host` before each delete offered it to both)
         self._offer(parent, device=False)

@@ -231,16 +231,17 @@ class RadixTree(TreeState):
         self._set_host(node, pages.copy(), HostState.RESIDENT)
         if node.hashes is None:
             node.hashes = hashes[:node.num_pages]
-        node.stored = [True] * node.num_pages
+        self.mark_stored(node, [True] * node.num_pages)
 
     def _add_host_leaf(self, parent: Node, key: Keys, pages: PageIds,
                        hashes: list[bytes]) -> Node:
         """A host-only leaf of L3 `pages` under `parent` (whole pages: `key` and `hashes`)."""
         leaf = Node(id=next(self._ids), parent=parent, key=key.copy(), hashes=hashes,
-                    stored=[True] * len(hashes), last_access=self._clock + 1)
+                    last_access=self._clock + 1)
         parent.children[leaf.key[:self.page_size].tobytes()] = leaf
         self._num_nodes += 1
         self._set_host(leaf, pages.copy(), HostState.RESIDENT)
+        self.mark_stored(leaf, [True] * len(hashes))
         return leaf
 
     def _add_leaf(self, parent: Node, key: Keys, pages: PageIds,
