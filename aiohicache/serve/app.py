@@ -136,7 +136,7 @@ class _Connections:
 
     def __init__(self) -> None:
         self.bound: int | None = None
-        self._open: dict[RequestHandler, None] = {}  # oldest first
+        self._open: dict[RequestHandler, None] = {}  # least recently used first
         self._over: set[RequestHandler] = set()
 
     def attach(self, server: web.Server, bound: int) -> None:
@@ -159,9 +159,22 @@ class _Connections:
 
     def _made(self, handler: RequestHandler) -> None:
         self._open[handler] = None
-        if self.bound is not None and len(self._open) > self.bound \
-                and not self._reclaim(handler):
+        if self._full() and not self._reclaim(handler):
             self._over.add(handler)
+
+    def _full(self) -> bool:
+        return self.bound is not None and len(self._open) > self.bound
+
+    def _used(self, handler: RequestHandler) -> None:
+        """`handler`'s request is done: its connection is idle for the shortest time now.
+
+        NOTE: `_open` is kept in order of last use, so `_reclaim` closes the connection idle
+        longest: in order of opening, a client's kept-alive connection (opened first,
+        answered a moment ago) was closed before a flood of silent ones opened after it.
+        """
+        if handler in self._open:
+            del self._open[handler]
+            self._open[handler] = None
 
     def _reclaim(self, handler: RequestHandler) -> bool:
         """Close the connection idle longest but `handler`'s; False if none is idle."""
@@ -175,10 +188,15 @@ class _Connections:
     @web.middleware
     async def middleware(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
         # NOTE: tried again at its request: connections accepted together, in one turn of
-        # the loop, are not idle yet when the next connects (their loops have not started)
-        if request.protocol not in self._over or self._reclaim(request.protocol):
+        # the loop, are not idle yet when the next connects (their loops have not started);
+        # and those open then may have closed since (else it was a 503, the server empty)
+        if request.protocol not in self._over or not self._full() \
+                or self._reclaim(request.protocol):
             self._over.discard(request.protocol)
-            return await handler(request)
+            try:
+                return await handler(request)
+            finally:
+                self._used(request.protocol)
         response = _busy(f"{len(self._open)} connections open, the most this server keeps "
                          f"(max_connections)")
         response.force_close()
