@@ -99,7 +99,10 @@ class Request:
         ctl, storage = core.check_op(), core.storage
         if self._prefetching is None:
             if core.tp is not None:  # only the TP digest reads it: not on every request
-                core.calls_crc = zlib.crc32(self.tokens.data, core.calls_crc)  # no copy
+                # NOTE: the id width too: int32 ids where they fit, so 32 small ids and 16
+                # past int32 are the same bytes and two prompts
+                crc = zlib.crc32(b"%d" % self.tokens.itemsize, core.calls_crc)
+                core.calls_crc = zlib.crc32(self.tokens.data, crc)  # no copy
             match = core.tree.match(self.tokens)
             if storage is not None:
                 storage.on_hits(match.path)

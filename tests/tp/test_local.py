@@ -527,3 +527,21 @@ async def test_drain_returns_after_the_consensus_failed_with_l3_io_in_flight() -
 
     async with opened(caches):
         await on_ranks(caches, rank)
+
+
+async def test_prompts_of_the_same_bytes_in_other_dtypes_differ_by_rank() -> None:
+    """Ids are kept as int32 where they fit: 32 small ids on one rank and 16 ids past int32
+    on the other are the same bytes, and still two prompts the ranks disagree on."""
+    small = np.arange(1, 33, dtype=np.int64)
+    wide = (small[0::2] + (small[1::2] << 32)).tolist()  # each id >= 2**32: kept as int64
+    caches = tp_caches(2, timeout=2.0)
+
+    async def rank(r: int, cache: HiCache) -> None:
+        async with cache:
+            async with cache.fetch(small.tolist() if r == 0 else wide) as hit:
+                await hit.ready()
+            with pytest.raises(DivergenceError, match="not the same sequence"):
+                await serve(cache, make_tokens(16, seed=1))
+                await serve(cache, make_tokens(8, seed=9))
+
+    await on_ranks(caches, rank)
