@@ -249,15 +249,15 @@ class PoolCache(DynamicCache):
     def __init__(self, config: PretrainedConfig, link: _PoolLink,
                  prefix: Sequence[int] = ()) -> None:
         n, spec = len(link.prefix_slots), link.cache.config.spec
+        super().__init__(config=config)
+        _check_layers(self.layers, "its cache has")
         if n:
             pool = link.cache.device_pool
             shape = (1, spec.num_kv_heads, n, spec.head_dim)
-            empty = [(torch.empty(shape, dtype=spec.dtype, device=pool.device),
-                      torch.empty(shape, dtype=spec.dtype, device=pool.device))
-                     for _ in range(spec.num_layers)]
-            super().__init__(empty, config=config)
-        else:
-            super().__init__(config=config)
+            for layer in self.layers:
+                assert isinstance(layer, DynamicLayer)  # for mypy: checked just above
+                layer.update(torch.empty(shape, dtype=spec.dtype, device=pool.device),
+                             torch.empty(shape, dtype=spec.dtype, device=pool.device))
         self._link: _PoolLink | None = link
         self._filled = [n == 0] * spec.num_layers
         self._updated = [False] * spec.num_layers
@@ -324,10 +324,14 @@ def _check_updated(model: PreTrainedModel, past: PoolCache) -> None:
         raise ConfigError(f"model: layers {missed} never passed their KV through the cache "
                           f"given as `{cache_kwarg(model)}` (its forward does not use it): "
                           f"nothing is committed")
+    _check_layers(past.layers, "its pass left the cache with")
 
 
 def _check_fed(past: PoolCache, ids: list[int]) -> None:
     """Refuse to commit `ids` over KV that is not theirs."""
+    # NOTE: a layer swapped for a sliding one while decoding kept its last tokens only: the
+    # decoded KV was read at their absolute positions from it, other positions' KV
+    _check_layers(past.layers, "the cache decoded on has")
     held = past.get_seq_length()
     if len(ids) > held:
         # NOTE: the pool's indexed write broadcast the one row there was into two slots:
@@ -342,6 +346,29 @@ def _check_fed(past: PoolCache, ids: list[int]) -> None:
         # sequence rewritten, a token edited) put the fed token's KV under another's
         raise ConfigError(f"tokens: position {at} is {ids[at]}, the model was fed "
                           f"{past.tokens[at]} there")
+
+
+def _check_layers(layers: Sequence[object], where: str) -> None:
+    """Refuse a cache with a layer other than transformers' full-attention `DynamicLayer`.
+
+    NOTE: the pool holds every position's K/V. A sliding or chunked layer keeps its last
+    tokens only (a hit past its window crashed the pass; `commit_decoded` stored other
+    positions' KV), a shared one none. They are its subclasses: the type must be exact.
+    """
+    odd: dict[str, list[int]] = {}
+    for i, layer in enumerate(layers):
+        if type(layer) is not DynamicLayer:
+            odd.setdefault(_describe(layer), []).append(i)
+    if odd:
+        found = "; ".join(f"layers {idx} {kind}" for kind, idx in odd.items())
+        raise ConfigError(f"model: {where} {found}: only full-attention layers (DynamicLayer) "
+                          f"are supported, the pool holds every position's KV")
+
+
+def _describe(layer: object) -> str:
+    window = getattr(layer, "sliding_window", None)
+    name = type(layer).__name__
+    return f"{name} (a sliding window of {window} tokens)" if window is not None else name
 
 
 def _first_difference(ids: list[int], known: list[int]) -> int | None:
@@ -398,8 +425,9 @@ class HFAdapter:
             one-thread executor runs them one at a time, as one accelerator would.
 
     Raises:
-        ConfigError: the cache's KV spec or device does not fit the model, or its forward
-            takes no KV cache.
+        ConfigError: the cache's KV spec or device does not fit the model, its forward
+            takes no KV cache, or the cache transformers builds for its config has a layer
+            other than a full-attention `DynamicLayer` (sliding, chunked, shared, linear).
     """
 
     def __init__(self, model: PreTrainedModel, cache: HiCache, *,
@@ -422,12 +450,11 @@ class HFAdapter:
         if types is not None and set(types) != {"full_attention"}:
             raise ConfigError(f"model: only full-attention layers are supported, the model "
                               f"has {sorted(set(types))}")
-        # NOTE: a config without `layer_types` may still slide (Mistral-7B-v0.1 sets only
-        # `sliding_window`); Qwen2-style configs say whether they use theirs
-        window = getattr(text, "sliding_window", None)
-        if types is None and window is not None and getattr(text, "use_sliding_window", True):
-            raise ConfigError(f"model: only full-attention layers are supported, the model "
-                              f"attends over a sliding window of {window} tokens")
+        # NOTE: the layers transformers builds for the config, not its fields: without
+        # `layer_types` a `sliding_window` (Mistral-7B-v0.1; also beside
+        # `use_sliding_window: false`) or an `attention_chunk_size` makes sliding layers, and
+        # KV sharing (Gemma 4) empty ones, past a check of `layer_types`
+        _check_layers(DynamicCache(config=model.config).layers, "the cache for its config has")
         dynamic = sorted(t for t in _rope_types(text) if "dynamic" in t or t == "longrope")
         if dynamic:
             # NOTE: they pick every position's frequencies by the pass's longest position:
@@ -452,7 +479,8 @@ class HFAdapter:
             ConfigError: `tokens` are not the fetched tokens, a prefill completed in `hit`
                 already or is under way there, or the model computes KV of another shape
                 or dtype than the cache's spec, or its layers never hand their KV to the
-                cache (nothing is committed).
+                cache or leave it with layers other than full-attention ones (nothing is
+                committed).
             TransferError: loading the prefix failed.
             CapacityError: no device slots for the new tokens.
 
@@ -561,7 +589,8 @@ class HFAdapter:
                 KV the model's cache holds (the last decoded token, never fed back) or are
                 not the tokens fed (a sampled token replaced) or differ from those committed
                 (the cache cropped below them); or the cache was fed another way than
-                `decode`/`forward`, so its tokens are unknown. Nothing is written.
+                `decode`/`forward`, so its tokens are unknown, or it holds a layer other
+                than a full-attention one. Nothing is written.
             ClosedError: the context's block has ended (nothing is written).
 
         Cancellation: as `FetchContext.allocate` and `commit`; a copy into the pool under
