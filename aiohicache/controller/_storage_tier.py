@@ -17,6 +17,12 @@
 - **Backup (L2 -> L3).** When a write-through settles, nodes with enough hits are queued for
   backup, never on a request's path; backups run concurrently under
   `backup_max_inflight_bytes`, and each page's result is recorded (`Node.stored`).
+- **Re-check.** A store may drop pages on its own after they were stored (its byte budget,
+  Redis ``maxmemory``, another instance's delete), and a prefix this instance keeps hot in
+  L1/L2 is never read from L3 by it: the first pages a store's LRU drops. So a node hit
+  while its pages are marked stored is checked again (one ``exists``, in the background) at
+  most every `L3_RECHECK_SECONDS`; pages found gone lose their mark and are backed up again.
+  Single-rank only (a TP rank's answer would need the tick's agreement).
 - **Failures.** A backend error or a page that fails its checksum is a miss. Repeated errors
   open a breaker: L3 is bypassed for `storage_cooldown` seconds while L1/L2 keep serving, and
   `stats()` shows it.
@@ -63,6 +69,11 @@ __all__ = ("PrefetchJob", "StorageCounters", "StorageTier", "page_format")
 
 log = logging.getLogger(__name__)
 
+L3_RECHECK_SECONDS = 30.0
+"""How often at most a node hit in L1/L2 has its pages marked stored checked against L3."""
+L3_RECHECK_MAX_NODES = 64
+"""Nodes waiting for their re-check at most; more are left for a later hit. Bounds the
+``exists`` calls, which run one at a time."""
 
 
 class StorageTier(TPResults):
@@ -97,6 +108,7 @@ class StorageTier(TPResults):
         self._backing_nodes: set[int] = set()  # ids of the nodes in `_backing_up`
         self._backup_bytes = 0
         self._backup_room = anyio.Event()
+        self._rechecks: dict[int, Node] = {}  # node id -> node, waiting or being re-checked
         self._tg: TaskGroup | None = None
         self._changed = anyio.Event()
         # TP: jobs waiting for the tick to agree on their phase, in plan order (same on all ranks)
@@ -337,6 +349,67 @@ class StorageTier(TPResults):
         the breaker was open, or failed, was then never sent again, and other instances
         recomputed that prefix for ever."""
         self.queue_backup(path)
+        if not self.tp and self._tg is not None:
+            self._recheck_due(path)
+
+    def _recheck_due(self, path: list[Node]) -> None:
+        """Queue for a re-check the nodes of `path` marked stored longer than
+        `L3_RECHECK_SECONDS` ago (the first hit after they were marked starts the clock).
+
+        NOTE: a node kept in L1/L2 is never read from L3 here, so nothing else would notice
+        the store dropped it (its LRU drops exactly such pages first), and `queue_backup`
+        skips pages marked stored: other instances missed this hot prefix for as long as
+        this one kept it in memory."""
+        now, interval = time.monotonic(), L3_RECHECK_SECONDS
+        start = not self._rechecks
+        for node in path:
+            # (the test most nodes fail first: this runs at every hit, for every node)
+            if now - node.checked_at < interval or node.stored is None:
+                continue
+            if not node.checked_at:
+                node.checked_at = now
+            elif node.id not in self._rechecks and any(node.stored):
+                if len(self._rechecks) >= L3_RECHECK_MAX_NODES:
+                    break  # still due at its next hit
+                node.checked_at = now
+                self._rechecks[node.id] = node
+        if start and self._rechecks and self._tg is not None:
+            self._tg.start_soon(self._recheck)
+
+    async def _recheck(self) -> None:
+        """Task: ask L3 for the queued nodes' pages, one node at a time; mark the pages it
+        lost not stored and back them up again. A failure or an open breaker ends the round
+        (the nodes are due again at a later hit).
+
+        Cancellation (closing): the nodes left are forgotten; the tree is unchanged.
+        """
+        try:
+            while self._rechecks and self.breaker.state.value == "closed":
+                node = next(iter(self._rechecks.values()))
+                keys = list(node.hashes or ())
+                # (no success recorded: an answered EXISTS says nothing of the reads, see
+                # `_count_present`; and no probe is taken, the breaker being closed)
+                present = await self.backend.exists([k.hex() for k in keys])
+                del self._rechecks[node.id]
+                self._on_rechecked(node, keys[present:])
+        except Exception as exc:  # a failed re-check is a miss: the marks stay
+            self._fail("recheck", exc)
+        finally:
+            self._rechecks.clear()
+            self._signal()
+
+    def _on_rechecked(self, node: Node, lost: list[bytes]) -> None:
+        """Sync: L3 lacks the pages with keys `lost` (from the first one it lacks on: pages
+        after a hole serve no prefetch, and writing one again costs only the write)."""
+        if not lost or not node.alive or node.stored is None or node.hashes is None:
+            return
+        gone = set(lost)  # by key: the node may have been split meanwhile
+        stored = [s and key not in gone for s, key in zip(node.stored, node.hashes,
+                                                          strict=True)]
+        if stored != node.stored:
+            self.tree.mark_stored(node, stored)
+            node.backup_hits = 0  # the store took them once: not a refusal to back off from
+            self.queue_backup([node])
 
     def queue_backup(self, nodes: list[Node]) -> None:
         """Back up the settled host copies of `nodes` that are due, later: not all in L3,
@@ -455,7 +528,7 @@ class StorageTier(TPResults):
 
     @property
     def idle(self) -> bool:
-        return not self._inflight and not self._backing_up
+        return not self._inflight and not self._backing_up and not self._rechecks
 
     def _signal(self) -> None:
         self._changed.set()

@@ -89,6 +89,10 @@ class Node:
     backup_hits: int = 0
     """`hit_count` when its host copy was last sent to L3 (0: never); a copy the store
     failed or refused is sent again once the hits have doubled."""
+    checked_at: float = 0.0
+    """When its `stored` marks were last taken or checked against L3 (`time.monotonic`;
+    0: not yet): the store may drop pages on its own, so they are checked again now and
+    then while the node is hit (`StorageTier.on_hits`)."""
 
     def __repr__(self) -> str:
         return (f"<Node {self.id} pages={self.num_pages} device={self.device_state.value} "
