@@ -61,6 +61,13 @@ class StorageStats(_ByName):
     """The backend's byte budget, when it has one and reports it."""
     used_bytes: int | None = None
     """Bytes the backend holds, when it reports them."""
+    evicted_pages: int | None = None
+    """Pages the backend evicted for its byte budget (file and memory stores); None: not
+    known (Redis evicts on its own and does not say which: see `server_evicted_keys`)."""
+    server_evicted_keys: int | None = None
+    """Redis only: the server's ``evicted_keys`` (INFO stats, summed over a cluster's
+    primaries) as last looked at. Server-wide: every database and client's keys, not only
+    this cache's pages; None: not Redis, or not seen."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +173,12 @@ def _storage_stats(core: Core) -> StorageStats | None:
     if storage is None:
         return None
     backend = storage.backend.stats()
+    # NOTE: an eviction count the store does not know is None, never 0 ("none evicted")
+    counted = getattr(backend, "counts_evictions", True)
     return StorageStats(**dataclasses.asdict(storage.counters),
                         breaker=storage.breaker.state.value, corrupt=backend.corrupt,
                         capacity_bytes=getattr(backend, "capacity_bytes", None),
-                        used_bytes=getattr(backend, "used_bytes", None))
+                        used_bytes=getattr(backend, "used_bytes", None),
+                        evicted_pages=getattr(backend, "evicted_pages", None) if counted
+                        else None,
+                        server_evicted_keys=getattr(backend, "server_evicted_keys", None))

@@ -140,6 +140,8 @@ class CacheCollector(Collector):
                                "Pages evicted from a tier.", ("tier",))
         self._add(evicted, s.device_evicted_pages, "L1")
         self._add(evicted, s.host_evicted_pages, "L2")
+        if s.storage is not None and s.storage.evicted_pages is not None:
+            self._add(evicted, s.storage.evicted_pages, "L3")  # not known (Redis): absent
         yield evicted
         yield self._counter("worker_restarts", "Transfer workers restarted after a crash.",
                             s.worker_restarts)
@@ -216,6 +218,11 @@ class CacheCollector(Collector):
                          ("used_bytes", "Bytes the L3 backend holds.")):
             if (value := getattr(stats, key)) is not None:
                 yield self._add(self._family(GaugeMetricFamily, f"storage_{key}", doc), value)
+        if stats.server_evicted_keys is not None:
+            yield self._counter("storage_server_evicted_keys",
+                                "Keys the Redis server evicted, server-wide (INFO stats "
+                                "evicted_keys, every client's; as last seen).",
+                                stats.server_evicted_keys)
 
 
 def _check_label(name: str) -> str:

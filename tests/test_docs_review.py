@@ -232,7 +232,8 @@ def test_the_url_rules_of_the_api_reference_accept_the_storage_docs_urls() -> No
 
 async def test_the_metrics_table_is_what_a_scrape_prints() -> None:
     """docs/observability.md's table: every family a cache with L3 prints, with its type and
-    labels, and nothing else (the TP tick summary needs `tp_size > 1`)."""
+    labels, and nothing else (the TP tick summary needs `tp_size > 1`, the server's evicted
+    keys a Redis store: tests/test_l3_evictions_review.py)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from aiohicache.metrics import render
@@ -250,7 +251,8 @@ async def test_the_metrics_table_is_what_a_scrape_prints() -> None:
         text = render(cache).decode()
     printed = {f.name: (f.type, {k for s in f.samples for k in s.labels} - {"le"})
                for f in text_string_to_metric_families(text)}
-    assert set(stated) - set(printed) == {"aiohicache_tp_tick_seconds"}
+    assert set(stated) - set(printed) == {"aiohicache_tp_tick_seconds",
+                                          "aiohicache_storage_server_evicted_keys"}
     assert set(printed) <= set(stated), set(printed) - set(stated)
     for name, (kind, labels) in printed.items():
         assert stated[name] == (kind, labels), name

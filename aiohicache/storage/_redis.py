@@ -137,6 +137,8 @@ class RedisBackend:
         """(maxmemory, used_memory) as last seen; maxmemory None: no limit."""
         self._memory_seen = False
         """Whether a look at the memory succeeded (`_memory` is known)."""
+        self._evicted_keys: int | None = None
+        """The server's ``evicted_keys`` as last seen (None: not seen)."""
         self._calls = 0
         """Calls in flight: `aclose` closes the pool once none is left."""
         self._idle: anyio.Event | None = None
@@ -201,13 +203,11 @@ class RedisBackend:
             await self._client.ping()
 
     async def _look_at_memory(self) -> None:
-        """Record the server's ``maxmemory`` and ``used_memory`` (errors are not counted:
-        a user may lack the right to INFO)."""
+        """Record the server's ``maxmemory`` and ``used_memory``, then its ``evicted_keys``
+        (errors are not counted: a user may lack the right to INFO)."""
         self._info_at = time.monotonic()
-        try:
-            replies = await self._memory_info()
-        except (RedisError, RedisClusterException, OSError) as exc:
-            log.debug("redis INFO memory on %s failed: %r", self.url, exc)
+        replies = await self._info_or_none("memory")
+        if replies is None:
             return
         extra = self._stats.extra
         limits = [int(cast(int, r.get("maxmemory", 0))) for r in replies]
@@ -217,6 +217,19 @@ class RedisBackend:
         extra["used_bytes"] = sum(int(cast(int, r.get("used_memory", 0))) for r in replies)
         self._memory = (extra["max_bytes"] or None, extra["used_bytes"])
         self._memory_seen = True
+        if (stats := await self._info_or_none("stats")) is not None:
+            evicted = [r.get("evicted_keys") for r in stats]
+            # NOTE: a server that does not say is not known, not 0 evicted
+            self._evicted_keys = None if None in evicted else sum(
+                int(cast(int, n)) for n in evicted)
+
+    async def _info_or_none(self, section: str) -> list[dict[str, object]] | None:
+        """`_server_info` of `section`, or None if it failed (logged, not counted)."""
+        try:
+            return await self._server_info(section)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            log.debug("redis INFO %s on %s failed: %r", section, self.url, exc)
+            return None
 
     async def _first_look(self) -> None:
         """Look at the server's memory until a look succeeds (at most every 10 s): a cache
@@ -226,9 +239,9 @@ class RedisBackend:
         if not self._memory_seen and time.monotonic() - self._info_at > _INFO_INTERVAL_S:
             await self._look_at_memory()  # NOTE: it raises nothing
 
-    async def _memory_info(self) -> list[dict[str, object]]:
+    async def _server_info(self, section: str) -> list[dict[str, object]]:
         async with self._connection():
-            return [await self._client.info("memory")]
+            return [await self._client.info(section)]
 
     async def aclose(self) -> None:
         """Close every connection once the calls in flight have ended (each ends within its
@@ -268,12 +281,15 @@ class RedisBackend:
         """A copy of the counters, with the server's memory as last seen (on entering or at
         the first call, then at most every 10 s by a write), summed over a cluster's
         primaries: `capacity_bytes` (``maxmemory``; None: no limit, or INFO not allowed) and
-        `used_bytes` (``used_memory``; None: not known). `extra` has ``round_trips``
-        (pipelines and single commands sent), ``commands``, ``max_bytes`` (``maxmemory``, 0:
-        no limit) and ``used_bytes``."""
+        `used_bytes` (``used_memory``; None: not known), and `server_evicted_keys`
+        (``evicted_keys``: server-wide). `evicted_pages` is not known (`counts_evictions`
+        False): the server evicts on its own. `extra` has ``round_trips`` (pipelines and
+        single commands sent), ``commands``, ``max_bytes`` (``maxmemory``, 0: no limit) and
+        ``used_bytes``."""
         capacity, used = self._memory
         return replace(self._stats, extra=dict(self._stats.extra), capacity_bytes=capacity,
-                       used_bytes=used)
+                       used_bytes=used, counts_evictions=False,
+                       server_evicted_keys=self._evicted_keys)
 
     # ------------------------------------------------------------------ operations
 

@@ -437,9 +437,9 @@ class RedisClusterBackend(RedisBackend):
         if errors and not replies:
             raise errors[0]
 
-    async def _memory_info(self) -> list[dict[str, object]]:
-        """Each primary's ``INFO memory``; the first error if any node failed."""
-        replies, errors = await self._on_primaries("INFO", "memory")
+    async def _server_info(self, section: str) -> list[dict[str, object]]:
+        """Each primary's ``INFO <section>``; the first error if any node failed."""
+        replies, errors = await self._on_primaries("INFO", section)
         if errors:
             raise errors[0]
         return cast(list[dict[str, object]], replies)

@@ -177,6 +177,7 @@ class BackendStats:
     errors: int = 0
     """Operations that raised (I/O or connection errors)."""
     evicted_pages: int = 0
+    """Objects the store evicted for its byte budget (see `counts_evictions`)."""
     extra: dict[str, int] = field(default_factory=dict)
     capacity_bytes: int | None = field(default=None, compare=False)
     """The store's byte budget (header + payload of live objects; Redis: ``maxmemory``), or
@@ -187,6 +188,13 @@ class BackendStats:
     NOTE: these two are levels, not counters: they are left out of ``==``. `extra` is not,
     and some backends repeat the levels there (``used_bytes``, ``max_bytes``, ``objects``).
     """
+    counts_evictions: bool = field(default=True, compare=False)
+    """False: the store evicts on its own, unseen (Redis's ``maxmemory-policy``), so
+    `evicted_pages` is not known (its 0 means nothing) and the cache reports none."""
+    server_evicted_keys: int | None = field(default=None, compare=False)
+    """Redis: the server's ``evicted_keys`` (INFO stats, summed over a cluster's primaries)
+    as last seen; server-wide (every database and client, not only these pages) and reset
+    when a server restarts. None: not Redis, or not seen."""
 
 
 @runtime_checkable
