@@ -271,11 +271,13 @@ ignoring it, as it should: the Ctrl-C test then saw a stream run its 25 s out.""
 
 
 @contextlib.contextmanager
-def serve_command(*args: str, **env: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """`aiohicache serve` in a subprocess (tiny model, port 0), until it printed its URL:
-    the process and the URL. Killed at the end if it is still running."""
+def serve_command(*args: str, script: str = _WITH_CTRL_C,
+                  **env: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`aiohicache serve` in a subprocess (tiny model, port 0; run by `script`, Python's
+    ``-c``), until it printed its URL: the process and the URL. Killed at the end if it is
+    still running."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", _WITH_CTRL_C, "serve", "--port", "0", "--l1", "4096", *args],
+        [sys.executable, "-c", script, "serve", "--port", "0", "--l1", "4096", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
     try:

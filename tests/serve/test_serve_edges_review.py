@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import re
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,6 +29,7 @@ from click.testing import CliRunner
 from aiohicache import ConfigError
 from aiohicache.cli import cli
 from aiohicache.serve import running_server
+from tests.serve.test_serve import serve_command
 from tests.serve.test_serve_load_review import (
     COMPLETIONS,
     engine,
@@ -130,24 +128,11 @@ _SERVE_WITH_FEW_FILES = (
     "main()\n")
 
 
-@contextlib.contextmanager
-def serve_with_1024_files() -> Iterator[tuple[subprocess.Popen[str], str]]:
+def serve_with_1024_files() -> contextlib.AbstractContextManager[
+        tuple[subprocess.Popen[str], str]]:
     """`aiohicache serve` (tiny model, port 0) allowed 1,024 open files, until it printed its
     URL: the process and the URL. Killed at the end."""
-    proc = subprocess.Popen([sys.executable, "-c", _SERVE_WITH_FEW_FILES, "serve", "--port",
-                             "0", "--l1", "4096"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert re.match(r"aiohicache serve: \S+ on http://127.0.0.1:", line), line
-        yield proc, line.split(" on ")[1].split()[0]
-    finally:
-        proc.kill()
-        proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+    return serve_command(script=_SERVE_WITH_FEW_FILES)
 
 
 def test_idle_connections_cannot_use_up_the_servers_open_files() -> None:
