@@ -20,7 +20,6 @@ Every hit is verified with `KVChecker`, whichever tier it came from.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ import pytest
 from aiohicache import HiCache
 from aiohicache.controller import _storage_tier
 from tests.conftest import make_config, make_tokens
-from tests.kvcheck import KVChecker
+from tests.controller.test_l3_tier_review import serve
 
 PAGE_SIZE = 4
 PROMPT_PAGES = 4
@@ -49,20 +48,6 @@ def recheck_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
 def store_url(root: Path) -> str:
     page_bytes = make_config(**L3).page_bytes
     return f"file://{root}?max_bytes={STORE_PAGES * (64 + page_bytes)}"
-
-
-async def serve(cache: HiCache, tokens: Sequence[int]) -> tuple[int, int]:
-    """One request: fetch, verify every cached token's KV, compute and commit the rest.
-    Returns (cached tokens, of them from L3)."""
-    kv = KVChecker(cache)
-    async with cache.fetch(tokens) as hit:
-        await kv.verify_prefix(hit, tokens)
-        cached, from_l3 = hit.num_cached_tokens, hit.num_storage_hit_tokens
-        if len(tokens) > cached:
-            slots = await hit.allocate(len(tokens) - cached)
-            kv.fill(slots, tokens, cached)
-            await hit.commit(tokens, slots)
-    return cached, from_l3
 
 
 @pytest.mark.usefixtures("recheck_at_once")
