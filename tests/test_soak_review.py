@@ -96,7 +96,7 @@ class EventModel:
                 for key in event.block_hashes:
                     self.tiers[event.medium][key] += 1
                     assert self.tiers[event.medium][key] == 1, f"stored twice in {event}"
-            elif isinstance(event, BlockRemoved):
+            elif isinstance(event, BlockRemoved) and event.medium != "storage":
                 for key in event.block_hashes:
                     assert self.tiers[event.medium][key] == 1, f"removed absent in {event}"
                     self.tiers[event.medium][key] -= 1
