@@ -37,6 +37,7 @@ from tests.test_hf import (  # noqa: F401  (a fixture)
     prefill_and_decode,
     tokens_of,
 )
+from tests.test_hf_models_review import assert_prefill_refused
 
 SMALL: dict[str, Any] = {
     "vocab_size": 500, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -134,14 +135,8 @@ async def test_a_pass_that_swaps_the_cache_layers_for_sliding_ones_commits_nothi
     prompt = tokens_of(18, seed=8)
     async with HiCache(config_for(model)) as cache:
         adapter = HFAdapter(model, cache)
-        with pytest.raises(ConfigError, match=r"left the cache with layers \[0, 1\] "
-                                              r"DynamicSlidingWindowLayer"):
-            async with cache.fetch(prompt) as hit:
-                await adapter.prefill(hit, prompt)
-        async with cache.fetch(prompt) as hit:
-            assert hit.num_cached_tokens == 0
-        assert cache.stats().device_pages_leased == 0
-        cache.check_invariants()
+        await assert_prefill_refused(adapter, cache, prompt, r"left the cache with layers "
+                                     r"\[0, 1\] DynamicSlidingWindowLayer")
 
 
 async def test_decode_steps_that_swap_in_sliding_layers_commit_no_decoded_kv() -> None:

@@ -71,13 +71,20 @@ async def test_a_pass_that_never_hands_its_kv_to_the_cache_commits_nothing() -> 
     prompt = tokens_of(18, seed=8)
     async with HiCache(config_for(model)) as cache:
         adapter = HFAdapter(model, cache)
-        with pytest.raises(ConfigError, match=r"layers \[0, 1\].*never"):
-            async with cache.fetch(prompt) as hit:
-                await adapter.prefill(hit, prompt)
+        await assert_prefill_refused(adapter, cache, prompt, r"layers \[0, 1\].*never")
+
+
+async def assert_prefill_refused(adapter: HFAdapter, cache: HiCache, prompt: list[int],
+                                 match: str) -> None:
+    """`adapter`'s prefill of `prompt` raises a `ConfigError` matching `match`, and nothing
+    of it is committed, leased or left inconsistent."""
+    with pytest.raises(ConfigError, match=match):
         async with cache.fetch(prompt) as hit:
-            assert hit.num_cached_tokens == 0
-        assert cache.stats().device_pages_leased == 0
-        cache.check_invariants()
+            await adapter.prefill(hit, prompt)
+    async with cache.fetch(prompt) as hit:
+        assert hit.num_cached_tokens == 0
+    assert cache.stats().device_pages_leased == 0
+    cache.check_invariants()
 
 
 def test_a_multi_head_latent_attention_config_is_refused_by_kv_spec() -> None:
